@@ -1,0 +1,25 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Both create .venv at the project root and install the project into it (editable, with dev extras).
+PYTHON ?= python3
+VENV := .venv
+# A CPU build of torch; an unpinned torch pulls a multi-GB CUDA build. Override for GPUs: make TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	touch $@
+
+.PHONY: setup demo test lint
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/hf-ssd demo
+
+test: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -n 2 -q
+
+lint: setup
+	$(VENV)/bin/ruff check hf_ssd tests benchmarks

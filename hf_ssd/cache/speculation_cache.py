@@ -1,0 +1,60 @@
+"""The outcome-keyed speculation cache: (row, accepted k, bonus token) -> the next speculation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Speculation:
+    """K draft tokens for one row, the distributions q they were sampled from, and where they came from.
+
+    `probs` is None under greedy decoding (q is one-hot and verification only compares tokens).
+    `source` is "cache" for a prepared branch, else the backup's name ("draft", "ngram", "random").
+    """
+
+    tokens: torch.Tensor  # [K] long
+    probs: torch.Tensor | None  # [K, V] float or None
+    source: str
+
+    @property
+    def is_primary(self) -> bool:
+        return self.source == "cache"
+
+
+class SpeculationCache:
+    """Branches prepared during one verification, addressable by the outcome they anticipate.
+
+    Built from tensors: `rows`, `forks`, `candidates` [B] (row, k, bonus-token key of each branch), `tokens` [B, K]
+    and `probs` [B, K, V] or None. Keys are moved to the host once, when the cache is built (off the target's
+    critical path).
+    """
+
+    def __init__(self, rows: torch.Tensor, forks: torch.Tensor, candidates: torch.Tensor, tokens: torch.Tensor,
+                 probs: torch.Tensor | None):
+        keys = torch.stack([rows, forks, candidates], dim=1).tolist()
+        self._index = {tuple(key): i for i, key in enumerate(keys)}
+        self.tokens, self.probs = tokens, probs
+        self.fanout_per_key: dict[tuple[int, int], int] = {}
+        for row, fork, _ in keys:
+            self.fanout_per_key[(row, fork)] = self.fanout_per_key.get((row, fork), 0) + 1
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: tuple[int, int, int]) -> bool:
+        return tuple(key) in self._index
+
+    def candidates_at(self, row: int, fork: int) -> int:
+        """How many branches were prepared for outcomes with `fork` accepted tokens in `row`."""
+        return self.fanout_per_key.get((row, fork), 0)
+
+    def lookup(self, row: int, accepted: int, bonus: int) -> Speculation | None:
+        """The speculation prepared for this outcome, or None on a miss."""
+        i = self._index.get((row, accepted, bonus))
+        if i is None:
+            return None
+        probs = None if self.probs is None else self.probs[i]
+        return Speculation(self.tokens[i], probs, "cache")

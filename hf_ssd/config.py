@@ -1,0 +1,141 @@
+"""`SSDConfig`: the JSON-friendly knobs of speculative speculative decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FANOUT_KINDS = ("geometric", "uniform")
+BACKUPS = ("auto", "draft", "ngram", "random")
+EXECUTORS = ("auto", "thread", "sync", "stream")
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"SSDConfig.{name}={value!r} is invalid: {allowed}.")
+
+
+def _check_int(name: str, value: Any, low: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(name, value, f"expected an int >= {low}" + (" or None" if allow_none else ""))
+
+
+@dataclass
+class SSDConfig:
+    """Configuration of speculative speculative decoding (the Saguaro algorithm).
+
+    Pass it to `generate(..., assistant_model=draft, ssd_config=SSDConfig(...))` or as a plain dict.
+
+    Args:
+        lookahead: K, the number of draft tokens per speculation (>= 1).
+        fanout: which verification outcomes to prepare: `"geometric"` (Theorem 12, adapted online),
+            `"uniform"`, or an explicit list of K+1 non-negative ints (branches per accepted length 0..K).
+        fanout_budget: B, the total number of branches prepared per round (>= 1).
+        saguaro_c: C in (0, 1]; the draft's top candidates are down-weighted by C when sampling so that the
+            bonus token lands in the cache (1.0 disables Saguaro sampling; only matters when sampling).
+        backup: the speculator used on a cache miss: `"draft"` (the draft model, just in time), `"ngram"`
+            (prompt lookup in the context, random fill), `"random"` (uniform tokens) or `"auto"`.
+        executor: where the draft runs: `"thread"` (a background thread, concurrent with verification),
+            `"sync"` (inline, for debugging and ablations), `"auto"`; `"stream"` is reserved for CUDA.
+        draft_threads: intra-op CPU threads for the draft worker (None: half the cores).
+        target_threads: intra-op CPU threads for the target while SSD runs (None: the remaining cores).
+        acceptance_prior: the per-token acceptance `a` used for the fan-out before statistics exist.
+        power_law_prior: the hit-rate power-law exponent `r` used before statistics exist.
+        adaptive: re-estimate `a` and `r` online from the run's own statistics.
+        ngram_max: the longest n-gram the `"ngram"` backup matches.
+    """
+
+    lookahead: int = 3
+    fanout: str | list[int] = "geometric"
+    fanout_budget: int = 8
+    saguaro_c: float = 1.0
+    backup: str = "auto"
+    executor: str = "auto"
+    draft_threads: int | None = None
+    target_threads: int | None = None
+    acceptance_prior: float = 0.7
+    power_law_prior: float = 1.0
+    adaptive: bool = True
+    ngram_max: int = 3
+    _extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._extra:
+            raise ValueError(
+                f"SSDConfig got unknown fields {sorted(self._extra)}; allowed: {sorted(self.field_names())}."
+            )
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first invalid field, its value and the allowed range."""
+        _check_int("lookahead", self.lookahead, 1)
+        _check_int("fanout_budget", self.fanout_budget, 1)
+        if isinstance(self.fanout, (list, tuple)):
+            if len(self.fanout) != self.lookahead + 1 or any(
+                isinstance(f, bool) or not isinstance(f, int) or f < 0 for f in self.fanout
+            ):
+                _fail(
+                    "fanout", self.fanout, f"an explicit fan-out must be a list of lookahead+1={self.lookahead + 1} ints >= 0"
+                )
+            if sum(self.fanout) < 1:
+                _fail("fanout", self.fanout, "an explicit fan-out must prepare at least one branch")
+            self.fanout = [int(f) for f in self.fanout]
+        elif self.fanout not in FANOUT_KINDS:
+            _fail("fanout", self.fanout, f"expected one of {FANOUT_KINDS} or a list of lookahead+1 ints")
+        if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)) or not (
+            0.0 < float(self.saguaro_c) <= 1.0
+        ):
+            _fail("saguaro_c", self.saguaro_c, "expected a float in (0, 1]")
+        self.saguaro_c = float(self.saguaro_c)
+        if self.backup not in BACKUPS:
+            _fail("backup", self.backup, f"expected one of {BACKUPS}")
+        if self.executor not in EXECUTORS:
+            _fail("executor", self.executor, f"expected one of {EXECUTORS}")
+        _check_int("draft_threads", self.draft_threads, 1, allow_none=True)
+        _check_int("target_threads", self.target_threads, 1, allow_none=True)
+        if not isinstance(self.acceptance_prior, (int, float)) or not (0.0 < self.acceptance_prior < 1.0):
+            _fail("acceptance_prior", self.acceptance_prior, "expected a float in (0, 1)")
+        if not isinstance(self.power_law_prior, (int, float)) or not (0.0 < self.power_law_prior <= 10.0):
+            _fail("power_law_prior", self.power_law_prior, "expected a float in (0, 10]")
+        if not isinstance(self.adaptive, bool):
+            _fail("adaptive", self.adaptive, "expected a bool")
+        _check_int("ngram_max", self.ngram_max, 1)
+
+    @property
+    def branches(self) -> int:
+        """Total branches per round: the budget, or the sum of an explicit fan-out."""
+        return sum(self.fanout) if isinstance(self.fanout, list) else self.fanout_budget
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (round-trips through `from_dict`)."""
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SSDConfig:
+        """Build from a dict; unknown keys raise `ValueError` listing the allowed ones."""
+        if not isinstance(data, dict):
+            raise ValueError(f"SSDConfig.from_dict expects a dict, got {type(data).__name__}.")
+        known = {k: v for k, v in data.items() if k in cls.field_names()}
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(**known, _extra=extra)
+
+    @classmethod
+    def coerce(cls, value: SSDConfig | dict[str, Any]) -> SSDConfig:
+        """Accept an `SSDConfig` or a plain dict; anything else is a `ValueError`."""
+        if isinstance(value, cls):
+            value.validate()
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        raise ValueError(f"ssd_config must be an SSDConfig or a dict, got {type(value).__name__}.")
+
+    def to_json_string(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), sort_keys=True)

@@ -1,0 +1,237 @@
+"""`SaguaroCandidateGenerator`: the draft side of SSD.
+
+Per round, while the target verifies speculation S = [t_prev, s_1..s_K]:
+  1. glue: one draft forward over S appends its KV and yields K+1 logit rows (row j: "j tokens accepted");
+  2. fork: row j proposes its top F_j tokens (s_{j+1} excluded) as bonus candidates, Σ F_j = B branches;
+  3. tree: K draft forwards, each over all B branches at once on the shared prefix (tree attention);
+  4. the branches go into a `SpeculationCache` keyed by (row, k, bonus).
+When the outcome (k, bonus) arrives, `resolve` keeps the accepted glue slots and returns the cached
+speculation (hit) or asks the backup (miss). Only tokens and q travel to the target, never KV.
+
+It also implements transformers' `CandidateGenerator` interface (`get_candidates` / `update_candidate_strategy`),
+so it can serve the stock assisted-decoding loop synchronously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from ..cache.draft_cache import DraftCache
+from ..cache.speculation_cache import Speculation, SpeculationCache
+from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
+from ..config import SSDConfig
+from .backup import backup_speculation
+from .fanout import FanoutEstimator
+from .saguaro import draft_probs
+
+# Sampling warpers that act on scores alone; the draft applies exactly these (in the target's order) to q.
+SAMPLING_WARPERS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+
+
+@dataclass
+class Resolution:
+    """The speculation for the next round and how it was found."""
+
+    speculation: Speculation
+    hit: bool
+    candidates: int  # branches that had been prepared at the outcome's fork
+
+
+class SaguaroCandidateGenerator(CandidateGenerator):
+    """Draft-side state machine of SSD for one generation (batch 1).
+
+    Args:
+        draft_model: the draft (assistant) model; must share the target's vocabulary.
+        ssd_config: the SSD configuration.
+        do_sample: whether the target samples (q matters) or decodes greedily (q is one-hot).
+        logits_processor: the target's processors; the sampling warpers among them shape q as well.
+        vocab_size: the shared vocabulary size.
+        estimator: the fan-out estimator shared with the decoding loop.
+        generator: the draft's own random generator (on the draft's device).
+        check: called between draft forwards; raises to abandon work (see `DraftRuntime.check`).
+    """
+
+    def __init__(
+        self,
+        draft_model: torch.nn.Module,
+        ssd_config: SSDConfig,
+        do_sample: bool,
+        logits_processor,
+        vocab_size: int,
+        estimator: FanoutEstimator,
+        generator: torch.Generator | None = None,
+        check=None,
+    ):
+        self.model = draft_model
+        self.config = ssd_config
+        self.lookahead = ssd_config.lookahead
+        self.do_sample = do_sample
+        self.warpers = [p for p in (logits_processor or []) if isinstance(p, SAMPLING_WARPERS)]
+        self.vocab_size = vocab_size
+        self.estimator = estimator
+        self.device = draft_model.device
+        self.generator = generator if generator is not None else torch.Generator(device=self.device)
+        self.check = check or (lambda: None)
+        self.backup = "draft" if ssd_config.backup == "auto" else ssd_config.backup
+        self.cache = DraftCache(draft_model)
+        self.schedules = estimator.schedules()
+        self.context: list[int] = []  # committed tokens, t_prev included (for the n-gram backup)
+        self.prefix_len = 0  # draft cache slots holding committed tokens (all but t_prev)
+        self.glue_start = 0  # logical position of t_prev
+        self.t_prev = 0
+        self.speculation: Speculation | None = None  # the one the target is verifying
+        self.spec_cache: SpeculationCache | None = None
+        self._last_accepted: int | None = None
+
+    # --- sampling ---------------------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, saguaro_top: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [N] (and q [N, V] when sampling) from draft logits [N, V]."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1), None
+        probs = draft_probs(logits, self.warpers, saguaro_top, self.config.saguaro_c)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1), probs
+
+    def _saguaro_top(self, kind: str, position: int) -> int:
+        """Candidates to down-weight at speculation position `position` (1-based): F_{position-1} plus the draft."""
+        return self.schedules[kind][position - 1] + 1
+
+    # --- round protocol ---------------------------------------------------------------------------------------
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Speculation:
+        """Prefill the prompt (all but its last token) and draft the first speculation."""
+        ids = input_ids[0].to(self.device)
+        valid = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask[0].to(
+            self.device
+        ).bool()
+        positions = (valid.long().cumsum(0) - 1).clamp_min(0)
+        if ids.shape[0] > 1:
+            head = ids.shape[0] - 1
+            visible = causal_visibility(self.cache.valid, head) & valid[None, :head]
+            self.cache.forward(ids[:head], positions[:head], visible, valid=valid[:head], logits_to_keep=1)
+        self.context = ids[valid].tolist()
+        self.prefix_len = ids.shape[0] - 1
+        self.glue_start = int(positions[-1])
+        self.t_prev = int(ids[-1])
+        self.speculation = self._draft_just_in_time()
+        return self.speculation
+
+    def _draft_just_in_time(self) -> Speculation:
+        """The draft model's own speculation from the committed state: K single-token forwards."""
+        token = torch.tensor([self.t_prev], device=self.device)
+        tokens, probs = [], []
+        for i in range(self.lookahead):
+            self.check()
+            visible = causal_visibility(self.cache.valid, 1)
+            logits = self.cache.forward(token, torch.tensor([self.glue_start + i], device=self.device), visible)
+            token, q = self._sample(logits[-1:], self._saguaro_top("backup", i + 1))
+            tokens.append(token)
+            probs.append(q)
+        self.cache.crop(self.prefix_len)
+        stacked = torch.cat(probs) if self.do_sample else None
+        return Speculation(torch.cat(tokens), stacked, "draft")
+
+    def _backup_speculation(self) -> Speculation:
+        if self.backup == "draft":
+            return self._draft_just_in_time()
+        tokens, probs = backup_speculation(
+            self.context, self.lookahead, self.vocab_size, self.generator, self.device,
+            self.config.ngram_max if self.backup == "ngram" else None, self.do_sample,
+        )
+        return Speculation(tokens, probs, self.backup)
+
+    def prepare(self, speculation: Speculation) -> None:
+        """Glue, fork and tree-decode every branch for the outcomes of verifying `speculation`."""
+        k = self.lookahead
+        self.speculation = speculation
+        self.spec_cache = None
+        self.check()
+        glue = torch.cat([torch.tensor([self.t_prev], device=self.device), speculation.tokens.to(self.device)])
+        glue_pos = self.glue_start + torch.arange(k + 1, device=self.device)
+        logits = self.cache.forward(glue, glue_pos, causal_visibility(self.cache.valid, k + 1))
+
+        # Fork: row j proposes its top F_j tokens; the drafted s_{j+1} can never be the bonus after j accepts.
+        kind = "primary" if speculation.is_primary else "backup"
+        fanout = torch.tensor(self.schedules[kind], device=self.device)
+        scores = logits.float().clone()
+        rows = torch.arange(k, device=self.device)
+        scores[rows, glue[1:]] = float("-inf")
+        width = int(self.schedules[kind] and max(self.schedules[kind]))
+        top = scores.topk(width, dim=-1).indices  # [K+1, Fmax]
+        keep = torch.arange(width, device=self.device)[None, :] < fanout[:, None]
+        forks = torch.arange(k + 1, device=self.device)[:, None].expand_as(top)[keep]
+        current = top[keep]
+        branches = current.shape[0]
+
+        prefix_valid = self.cache.valid[: self.prefix_len]
+        tokens = torch.empty(branches, k, dtype=torch.long, device=self.device)
+        probs = torch.empty(branches, k, self.vocab_size, device=self.device) if self.do_sample else None
+        candidates = current
+        for step in range(1, k + 1):
+            self.check()
+            visible = tree_step_visibility(prefix_valid, forks, k + 1, step)
+            step_logits = self.cache.forward(current, tree_step_positions(self.glue_start, forks, step), visible)
+            current, q = self._sample(step_logits, self._saguaro_top("primary", step))
+            tokens[:, step - 1] = current
+            if probs is not None:
+                probs[:, step - 1] = q
+        self.cache.crop(self.prefix_len + k + 1)
+        self.spec_cache = SpeculationCache(torch.zeros_like(forks), forks, candidates, tokens, probs)
+
+    def resolve(self, accepted: int, bonus: int, verified: int) -> Resolution:
+        """Commit the outcome of the round and return the next speculation (cache hit or backup).
+
+        Also feeds the fan-out estimator and snapshots the schedules for the next round; this runs strictly
+        between two verifications, so every executor sees the same schedules.
+        """
+        spec = self.speculation
+        kind = "primary" if spec.is_primary else "backup"
+        self.estimator.record_round(kind, accepted, verified)
+        self.cache.crop(self.prefix_len + accepted + 1)
+        self.context.extend(spec.tokens[:accepted].tolist())
+        self.context.append(bonus)
+        self.prefix_len += accepted + 1
+        self.glue_start += accepted + 1
+        self.t_prev = bonus
+
+        candidates = self.spec_cache.candidates_at(0, accepted) if self.spec_cache is not None else 0
+        found = self.spec_cache.lookup(0, accepted, bonus) if self.spec_cache is not None else None
+        if candidates:
+            self.estimator.record_lookup(candidates, found is not None)
+        self.spec_cache = None
+        self.schedules = self.estimator.schedules()
+        self.speculation = found if found is not None else self._backup_speculation()
+        return Resolution(self.speculation, found is not None, candidates)
+
+    # --- transformers' CandidateGenerator interface (synchronous) ----------------------------------------------
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
+        """Next speculation appended to `input_ids`, with log q as candidate logits when sampling."""
+        if self.speculation is None:
+            spec = self.begin(input_ids, None)
+        else:
+            spec = self.resolve(self._last_accepted, int(input_ids[0, -1]), self.lookahead).speculation
+        self.prepare(spec)
+        candidate_ids = torch.cat([input_ids, spec.tokens[None].to(input_ids.device)], dim=-1)
+        logits = None if spec.probs is None else spec.probs.log()[None]
+        return candidate_ids, logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        self._last_accepted = int(num_matches)

@@ -1,0 +1,53 @@
+"""Exact verification of a speculation against the target (pure tensor functions, batched over rows).
+
+Shapes: `draft_tokens` [b, L], `draft_probs` q [b, L, V], target scores / probs p [b, L+1, V].
+Both return `(accepted [b], bonus [b])`: the number of accepted draft tokens and the token that follows them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the longest prefix that matches the target's argmax; the bonus is the argmax after it."""
+    predicted = target_scores.argmax(dim=-1)  # [b, L+1]
+    length = draft_tokens.shape[1]
+    matches = (predicted[:, :length] == draft_tokens).to(torch.long).cumprod(dim=-1)
+    accepted = matches.sum(dim=-1)
+    bonus = predicted.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, bonus
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(p - q, 0)); falls back to p on rows where the residual has no mass."""
+    residual = (p - q).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), p)
+
+
+def sampling_verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al., Alg. 1), exact for any proposal q the tokens were drawn from.
+
+    Token i is accepted with probability min(1, p_i(s_i) / q_i(s_i)); at the first rejection the bonus is drawn
+    from the residual max(p_i - q_i, 0); if all L are accepted it is drawn from p_{L+1}.
+    """
+    b, length = draft_tokens.shape
+    p = target_probs.float()
+    q = draft_probs.float().to(p.device)
+    tokens = draft_tokens.to(p.device)
+    p_tok = p[:, :length].gather(-1, tokens[..., None]).squeeze(-1)
+    q_tok = q.gather(-1, tokens[..., None]).squeeze(-1)
+    u = torch.rand((b, length), generator=generator, device=p.device)
+    accepted = (u * q_tok < p_tok).to(torch.long).cumprod(dim=-1).sum(dim=-1)
+    # The row after the accepted prefix; position L has no draft, i.e. q = 0 there and the residual is p.
+    q_full = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)
+    index = accepted[:, None, None].expand(b, 1, p.shape[-1])
+    dist = residual_distribution(p.gather(1, index).squeeze(1), q_full.gather(1, index).squeeze(1))
+    bonus = torch.multinomial(dist, 1, generator=generator).squeeze(1)
+    return accepted, bonus
