@@ -1,0 +1,116 @@
+"""The `hf-ssd` command: `hf-ssd demo` runs SSD next to plain decoding and prints what happened."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+COMMANDS: dict[str, tuple[str, callable, callable]] = {}
+
+
+def command(name: str, help: str, arguments=None):
+    """Register `fn(args) -> exit code` as subcommand `name`; `arguments(parser)` declares its options."""
+
+    def wrap(fn):
+        COMMANDS[name] = (help, fn, arguments or (lambda parser: None))
+        return fn
+
+    return wrap
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="target model (hub id or local folder); default: a random Llama")
+    parser.add_argument("--draft", help="draft model (hub id or local folder); default: the target's first layers")
+    parser.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (needs a tokenizer)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--lookahead", type=int, default=None)
+    parser.add_argument("--budget", type=int, default=None)
+    parser.add_argument("--executor", default="auto", choices=["auto", "thread", "sync"])
+    parser.add_argument("--json", action="store_true", help="print the SSD metrics as JSON")
+
+
+def _random_pair():
+    """A random medium Llama and a draft made of its first two layers (same embeddings and head)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=2048, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    target = LlamaForCausalLM(config).eval()
+    draft_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 2})
+    draft = LlamaForCausalLM(draft_config).eval()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")
+             or int(k.split(".")[2]) < 2}
+    draft.load_state_dict(state)
+    return target, draft, None
+
+
+def _load_pair(args):
+    if not args.target:
+        return _random_pair()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft or args.target).eval()
+    return target, draft, AutoTokenizer.from_pretrained(args.target)
+
+
+@command("demo", "run SSD next to plain greedy decoding and check the output is identical", _demo_arguments)
+def demo(args) -> int:
+    import torch
+
+    from . import SSDConfig, enable_ssd
+
+    target, draft, tokenizer = _load_pair(args)
+    enable_ssd(target)
+    if tokenizer is not None:
+        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    else:
+        torch.manual_seed(1)
+        input_ids = torch.randint(0, target.config.vocab_size, (1, 16))
+    defaults = SSDConfig()
+    config = SSDConfig(
+        lookahead=args.lookahead or defaults.lookahead, fanout_budget=args.budget or defaults.fanout_budget,
+        executor=args.executor,
+    )
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    target.generate(input_ids, max_new_tokens=4, do_sample=False)  # warm-up
+    start = time.perf_counter()
+    plain = target.generate(input_ids, **common)
+    plain_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ssd = target.generate(input_ids, assistant_model=draft, ssd_config=config, **common)
+    ssd_s = time.perf_counter() - start
+    metrics = target.ssd_metrics
+    new = plain.shape[1] - input_ids.shape[1]
+    print(f"target: {type(target).__name__} {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params; "
+          f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params")
+    print(f"config: {config.to_json_string()}")
+    print(f"plain greedy : {new / plain_s:8.1f} tok/s")
+    print(f"SSD          : {(ssd.shape[1] - input_ids.shape[1]) / ssd_s:8.1f} tok/s  ({plain_s / ssd_s:.2f}x)")
+    print(f"identical to plain greedy: {torch.equal(plain, ssd)}")
+    print(f"rounds {metrics.rounds}, cache hit rate {metrics.cache_hit_rate:.2f}, "
+          f"mean accepted length {metrics.mean_accepted_length:.2f}, target waited {metrics.target_wait_seconds:.2f}s")
+    if tokenizer is not None:
+        print("---\n" + tokenizer.decode(ssd[0, input_ids.shape[1]:], skip_special_tokens=True))
+    if args.json:
+        print(json.dumps(metrics.to_dict(), indent=2))
+    return 0 if torch.equal(plain, ssd) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-ssd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, _, add_arguments) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text))
+    args = parser.parse_args(argv)
+    return COMMANDS[args.command][1](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

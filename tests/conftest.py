@@ -1,0 +1,55 @@
+"""Tiny models built from configs (no hub) shared by the tests."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from hf_ssd import enable_ssd  # noqa: E402
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    # Every layer slides over 8 positions; prompts + generations in the tests are longer than that.
+    "mistral_sliding": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+    # Hybrid: a full-attention layer and a sliding-window layer (masks keyed by layer type).
+    "qwen2_hybrid": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True, "sliding_window": 8,
+                                                      "max_window_layers": 1}),
+}
+
+
+def tiny_model(arch: str = "llama", layers: int = 2, vocab_size: int = 96, seed: int = 0, hidden: int = 32,
+               eos_token_id: int | None = None, **overrides):
+    """A small random causal LM of `arch`, deterministic in `seed`, in eval mode."""
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, **{**extra, **overrides},
+    )
+    return model_cls(config).eval()
+
+
+def tiny_pair(arch: str = "llama", vocab_size: int = 96, seed: int = 0, **overrides):
+    """(target with SSD enabled, an unrelated random 1-layer draft of the same vocabulary)."""
+    target = enable_ssd(tiny_model(arch, layers=2, vocab_size=vocab_size, seed=seed, **overrides))
+    draft = tiny_model(arch, layers=1, vocab_size=vocab_size, seed=seed + 1000, **overrides)
+    return target, draft
+
+
+@pytest.fixture
+def llama_pair():
+    return tiny_pair("llama")
