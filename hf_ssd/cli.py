@@ -103,6 +103,20 @@ def demo(args) -> int:
     return 0 if torch.equal(plain, ssd) else 1
 
 
+def _models_arguments(parser: argparse.ArgumentParser) -> None:
+    from .models import add_arguments
+
+    add_arguments(parser)
+
+
+@command("models", "fetch the Qwen2.5-Coder target/draft pair into the local cache (`fetch`), or `list` it",
+         _models_arguments)
+def models(args) -> int:
+    from .models import run_command
+
+    return run_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-ssd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

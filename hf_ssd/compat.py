@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 
-@lru_cache(maxsize=None)
+@cache
 def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 

@@ -81,7 +81,9 @@ class SSDConfig:
                 isinstance(f, bool) or not isinstance(f, int) or f < 0 for f in self.fanout
             ):
                 _fail(
-                    "fanout", self.fanout, f"an explicit fan-out must be a list of lookahead+1={self.lookahead + 1} ints >= 0"
+                    "fanout",
+                    self.fanout,
+                    f"an explicit fan-out must be a list of lookahead+1={self.lookahead + 1} ints >= 0",
                 )
             if sum(self.fanout) < 1:
                 _fail("fanout", self.fanout, "an explicit fan-out must prepare at least one branch")

@@ -19,6 +19,9 @@ from transformers import (  # noqa: E402
 
 from hf_ssd import enable_ssd  # noqa: E402
 
+# Tiny models: one intra-op thread per test process is fastest, and pytest-xdist runs one process per core.
+torch.set_num_threads(1)
+
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),

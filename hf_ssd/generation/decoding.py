@@ -64,7 +64,9 @@ def check_supported(model, assistant_model, input_ids, generation_config, synced
             "(`output_scores` and `output_logits` are supported)."
         )
     if getattr(assistant_model, "_is_stateful", False) or getattr(model, "_is_stateful", False):
-        raise ValueError("SSD needs models whose cache can be rolled back; stateful (recurrent) models are not supported.")
+        raise ValueError(
+            "SSD needs models whose cache can be rolled back; stateful (recurrent) models are not supported."
+        )
     attn = getattr(assistant_model.config, "_attn_implementation", None) or ""
     if "flash" in attn or "flex" in attn:
         raise ValueError(

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from ..config import SSDConfig
-from .decoding import ssd_decoding
+from .decoding import _vocab_size, ssd_decoding
 
 _GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
 _SSD_CLASSES: dict[type, type] = {}
@@ -74,6 +74,13 @@ class SSDGenerationMixin:
         for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
             if extra.get(name, getattr(merged, name, None)) is not None:
                 raise ValueError(f"`{name}` selects another candidate generator; it cannot be combined with SSD.")
+        # Before transformers' own check, whose message points to universal assisted decoding (not SSD's).
+        target_vocab, draft_vocab = _vocab_size(self), _vocab_size(bound["assistant_model"])
+        if target_vocab != draft_vocab:
+            raise ValueError(
+                f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and "
+                f"the draft {draft_vocab}."
+            )
         with _model_lock(self):
             return super().generate(*args, **kwargs)
 
@@ -109,9 +116,8 @@ def ssd_class(cls: type) -> type:
         return cls
     with _LOCKS_GUARD:
         if cls not in _SSD_CLASSES:
-            _SSD_CLASSES[cls] = type(
-                cls.__name__, (SSDGenerationMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-            )
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            _SSD_CLASSES[cls] = type(cls.__name__, (SSDGenerationMixin, cls), namespace)
         return _SSD_CLASSES[cls]
 
 

@@ -1,0 +1,115 @@
+"""Greedy SSD output is token-identical to plain greedy decoding, on every path.
+
+Two drafts per architecture: the target itself (hits dominate) and an unrelated random model (misses dominate).
+Each case also asserts from the metrics that the path it is meant to exercise actually ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_pair
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_ssd import SSDConfig, enable_ssd
+
+ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
+
+# (lookahead, fan-out, budget, backup, executor): together they cover every K/fan-out/backup/executor.
+CASES = [
+    (1, "geometric", 4, "draft", "thread"),
+    (3, "geometric", 8, "ngram", "sync"),
+    (4, "uniform", 10, "random", "thread"),
+    (2, [3, 1, 2], 6, "auto", "sync"),
+    (5, "geometric", 20, "draft", "sync"),
+    (3, "uniform", 1, "ngram", "thread"),
+]
+
+_PAIRS = {}
+
+
+def _pair(arch):
+    if arch not in _PAIRS:
+        _PAIRS[arch] = tiny_pair(arch, seed=ARCHS.index(arch))
+    return _PAIRS[arch]
+
+
+def _plain(target, input_ids, max_new_tokens, **kwargs):
+    return target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"K{c[0]}-{c[1]}-B{c[2]}-{c[3]}-{c[4]}")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identical_self_and_random_draft(arch, case):
+    lookahead, fanout, budget, backup, executor = case
+    target, random_draft = _pair(arch)
+    config = SSDConfig(lookahead=lookahead, fanout=fanout, fanout_budget=budget, backup=backup, executor=executor)
+    for seed, prompt_len in ((0, 3), (1, 17)):
+        torch.manual_seed(100 * seed + lookahead)
+        input_ids = torch.randint(0, 96, (1, prompt_len))
+        expected = _plain(target, input_ids, 37)
+        for draft, kind in ((target, "self"), (random_draft, "random")):
+            out = target.generate(input_ids, assistant_model=draft, ssd_config=config, max_new_tokens=37,
+                                  do_sample=False)
+            assert torch.equal(out, expected), f"{arch} {case} {kind} seed={seed}"
+            m = target.ssd_metrics
+            assert m.generated_tokens == 37
+            if kind == "self":
+                assert m.cache_hits > 0, "the hit path did not run"
+                assert m.mean_accepted_length > 1.5
+            else:
+                assert m.cache_lookups - m.cache_hits > 0, "the miss path did not run"
+
+
+def test_random_draft_hits_also_verify_exactly():
+    """An unrelated draft with a wide fan-out hits sometimes: cached speculations that are mostly wrong."""
+    target, draft = _pair("llama")
+    hits = 0
+    for seed in range(4):
+        torch.manual_seed(seed)
+        input_ids = torch.randint(0, 96, (1, 9))
+        expected = _plain(target, input_ids, 40)
+        out = target.generate(input_ids, assistant_model=draft, max_new_tokens=40, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=2, fanout=[30, 5, 5]))
+        assert torch.equal(out, expected)
+        hits += target.ssd_metrics.cache_hits
+    assert hits > 0
+
+
+def test_layer_truncated_draft_mixes_hits_and_misses():
+    """A draft that shares the target's first layer agrees partly: both paths within one generation."""
+    target = enable_ssd(tiny_model("llama", layers=2, seed=7, hidden=64))
+    draft = tiny_model("llama", layers=1, seed=7, hidden=64)
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.1.")}
+    draft.load_state_dict(state)
+    torch.manual_seed(3)
+    input_ids = torch.randint(0, 96, (1, 12))
+    expected = _plain(target, input_ids, 60)
+    out = target.generate(input_ids, assistant_model=draft, max_new_tokens=60, do_sample=False,
+                          ssd_config=SSDConfig(lookahead=3, fanout_budget=16))
+    assert torch.equal(out, expected)
+    m = target.ssd_metrics
+    assert m.cache_hits > 0 and m.cache_lookups > m.cache_hits
+
+
+@given(
+    lookahead=st.integers(1, 5),
+    budget=st.integers(1, 24),
+    fanout=st.sampled_from(["geometric", "uniform"]),
+    backup=st.sampled_from(["draft", "ngram", "random"]),
+    prompt_len=st.integers(1, 20),
+    new_tokens=st.integers(1, 30),
+    seed=st.integers(0, 10_000),
+    self_draft=st.booleans(),
+    arch=st.sampled_from(ARCHS),
+)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_greedy_identical_property(lookahead, budget, fanout, backup, prompt_len, new_tokens, seed, self_draft, arch):
+    target, random_draft = _pair(arch)
+    torch.manual_seed(seed)
+    input_ids = torch.randint(0, 96, (1, prompt_len))
+    config = SSDConfig(lookahead=lookahead, fanout_budget=budget, fanout=fanout, backup=backup, executor="sync")
+    out = target.generate(input_ids, assistant_model=target if self_draft else random_draft, ssd_config=config,
+                          max_new_tokens=new_tokens, do_sample=False)
+    assert torch.equal(out, _plain(target, input_ids, new_tokens))

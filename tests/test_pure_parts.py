@@ -1,0 +1,185 @@
+"""Unit tests of the algorithm's pure parts: fan-out, Saguaro rescaling, greedy verification, keys, backups."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_ssd import SSDConfig
+from hf_ssd.cache.speculation_cache import SpeculationCache
+from hf_ssd.generation.backup import backup_speculation, ngram_lookup
+from hf_ssd.generation.fanout import (
+    FanoutEstimator,
+    cap_fanout,
+    fit_power_law,
+    geometric_fanout,
+    geometric_weights,
+    outcome_probabilities,
+    round_preserving_sum,
+    uniform_fanout,
+)
+from hf_ssd.generation.saguaro import draft_probs, saguaro_logits
+from hf_ssd.generation.verification import greedy_verify, residual_distribution
+
+# --- fan-out -------------------------------------------------------------------------------------------------
+
+
+def test_geometric_weights_match_theorem_12_example():
+    """a=0.8, r=1, K=7, B=24 → about [3.9, 3.5, 3.1, 2.8, 2.5, 2.2, 2.0, 4.0] (ssd-algorithm.md §4)."""
+    w = geometric_weights(0.8, 1.0, 7)
+    scaled = [x * 24 / sum(w) for x in w]
+    expected = [3.9, 3.5, 3.1, 2.8, 2.5, 2.2, 2.0, 4.0]
+    assert [round(x, 1) for x in scaled] == pytest.approx(expected, abs=0.11)
+    assert sum(geometric_fanout(0.8, 1.0, 7, 24)) == 24
+
+
+def test_outcome_probabilities_sum_to_one():
+    assert sum(outcome_probabilities(0.63, 5)) == pytest.approx(1.0)
+
+
+@given(
+    a=st.floats(0.01, 0.99), r=st.floats(0.1, 4.0), k=st.integers(1, 10), budget=st.integers(1, 64)
+)
+@settings(max_examples=200, deadline=None)
+def test_geometric_fanout_is_a_valid_allocation(a, r, k, budget):
+    fanout = geometric_fanout(a, r, k, budget)
+    assert len(fanout) == k + 1 and sum(fanout) == budget and min(fanout) >= 0
+    # never more than one branch away from the real-valued optimum
+    w = geometric_weights(a, r, k)
+    assert all(abs(f - x * budget / sum(w)) < 1 for f, x in zip(fanout, w))
+
+
+def test_geometric_fanout_decreases_with_k_before_the_last_position():
+    fanout = geometric_fanout(0.6, 1.0, 5, 40)
+    assert fanout[:-1] == sorted(fanout[:-1], reverse=True)
+    low = geometric_fanout(0.1, 1.0, 4, 10)  # a weak (backup) speculation: nearly everything at k=0
+    assert low[0] >= 6 and low[0] == max(low)
+
+
+def test_uniform_and_round_preserving():
+    assert uniform_fanout(3, 10) == [3, 3, 2, 2]
+    assert round_preserving_sum([1, 1, 1], 4) == [2, 1, 1]
+    with pytest.raises(ValueError):
+        round_preserving_sum([0, 0], 3)
+    assert cap_fanout([10, 10, 10], 6) == [5, 5, 6]
+
+
+def test_power_law_fit_recovers_exponent():
+    r = 1.3
+    hits = {f: [round(1000 * (1 - 0.6 * f**-r)), 1000] for f in (1, 2, 4, 8)}
+    assert fit_power_law(hits, prior=0.5) == pytest.approx(r, abs=0.1)
+    assert fit_power_law({1: [3, 5]}, prior=0.7) == 0.7  # too little data: the prior
+
+
+def test_estimator_adapts_acceptance_and_keeps_schedules_apart():
+    est = FanoutEstimator("geometric", 12, 3, 1000, a_prior=0.5, r_prior=1.0)
+    prior = est.schedules()
+    for _ in range(50):
+        est.record_round("primary", 3, 3)  # everything accepted after cached speculations
+        est.record_round("backup", 0, 3)  # nothing after backup ones
+    assert est.acceptance("primary") > 0.9 and est.acceptance("backup") < 0.1
+    sched = est.schedules()
+    assert sched["primary"][-1] > prior["primary"][-1]  # budget moves to "all accepted"
+    assert sched["backup"][0] >= 10  # and to k=0 after a backup
+    fixed = FanoutEstimator([1, 2, 3, 4], 10, 3, 1000, 0.5, 1.0)
+    assert fixed.schedule("primary") == [1, 2, 3, 4]
+    frozen = FanoutEstimator("geometric", 12, 3, 1000, 0.5, 1.0, adaptive=False)
+    frozen.record_round("primary", 3, 3)
+    assert frozen.schedules() == prior
+
+
+# --- Saguaro -------------------------------------------------------------------------------------------------
+
+
+def test_saguaro_scales_exactly_the_top_candidates():
+    logits = torch.tensor([[2.0, 0.5, 1.0, -1.0]])
+    out = saguaro_logits(logits, top=2, c=0.25)
+    assert torch.allclose(out, logits + torch.tensor([[math.log(0.25), 0.0, math.log(0.25), 0.0]]))
+    assert saguaro_logits(logits, 2, 1.0) is logits and saguaro_logits(logits, 0, 0.5) is logits
+    p = torch.softmax(logits, -1)
+    q = draft_probs(logits, [], top=2, c=0.25)
+    # q ∝ C·p on the top set, p elsewhere
+    ratio = q / p
+    assert ratio[0, 0] == pytest.approx(ratio[0, 2].item()) and ratio[0, 1] == pytest.approx(ratio[0, 3].item())
+    assert (ratio[0, 0] / ratio[0, 1]).item() == pytest.approx(0.25)
+    # the residual of p against the rescaled q lives on the top set: where the next round's cache has branches
+    assert residual_distribution(p, q)[0, [1, 3]].sum() == 0
+
+
+# --- greedy verification ---------------------------------------------------------------------------------------
+
+
+def _scores_with_argmax(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
+    scores = torch.zeros(1, len(argmaxes), vocab)
+    scores[0, torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 1.0
+    return scores
+
+
+@pytest.mark.parametrize(
+    "draft, argmaxes, accepted, bonus",
+    [
+        ([1, 2, 3], [1, 2, 3, 4], 3, 4),
+        ([1, 2, 3], [1, 5, 3, 4], 1, 5),
+        ([1, 2, 3], [0, 2, 3, 4], 0, 0),
+        ([], [6], 0, 6),
+    ],
+)
+def test_greedy_verify(draft, argmaxes, accepted, bonus):
+    n, b = greedy_verify(torch.tensor([draft], dtype=torch.long).reshape(1, -1), _scores_with_argmax(argmaxes))
+    assert (n.item(), b.item()) == (accepted, bonus)
+
+
+def test_residual_falls_back_to_p_without_mass():
+    p = torch.tensor([[0.5, 0.5, 0.0]])
+    assert torch.equal(residual_distribution(p, p), p)
+    r = residual_distribution(p, torch.tensor([[1.0, 0.0, 0.0]]))
+    assert r.tolist() == [[0.0, 1.0, 0.0]]
+
+
+# --- speculation cache keys --------------------------------------------------------------------------------------
+
+
+def test_speculation_cache_lookup_by_outcome():
+    forks = torch.tensor([0, 0, 1, 2])
+    cands = torch.tensor([7, 9, 7, 3])
+    tokens = torch.arange(12).reshape(4, 3)
+    probs = torch.rand(4, 3, 10)
+    cache = SpeculationCache(torch.zeros(4, dtype=torch.long), forks, cands, tokens, probs)
+    assert len(cache) == 4 and (0, 1, 7) in cache and (0, 1, 9) not in cache
+    hit = cache.lookup(0, 0, 9)
+    assert hit.tokens.tolist() == [3, 4, 5] and torch.equal(hit.probs, probs[1]) and hit.is_primary
+    assert cache.lookup(0, 2, 7) is None and cache.lookup(1, 0, 7) is None
+    assert cache.candidates_at(0, 0) == 2 and cache.candidates_at(0, 3) == 0
+
+
+# --- backups --------------------------------------------------------------------------------------------------------
+
+
+def test_ngram_lookup_prefers_longest_recent_match():
+    ctx = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
+    assert ngram_lookup(ctx, 2, 3) == [4, 9]  # "1 2 3" matched at the start
+    assert ngram_lookup([5, 6, 7], 3, 3) == []
+    assert ngram_lookup([4, 8, 4], 2, 2) == [8, 4]
+
+
+def test_backup_speculation_probs_are_what_was_sampled():
+    g = torch.Generator().manual_seed(0)
+    tokens, probs = backup_speculation([1, 2, 3, 1, 2], 4, 10, g, "cpu", ngram_max=2, with_probs=True)
+    assert tokens[:3].tolist() == [3, 1, 2]  # n-gram continuation of "1 2"
+    assert probs[0, 3] == 1.0 and probs[1, 1] == 1.0 and probs[2, 2] == 1.0  # deterministic → one-hot
+    assert torch.allclose(probs[3:], torch.full((1, 10), 0.1))  # random fill → uniform
+    tokens, probs = backup_speculation([1, 2], 3, 10, g, "cpu", ngram_max=None, with_probs=False)
+    assert tokens.shape == (3,) and probs is None
+
+
+# --- config ----------------------------------------------------------------------------------------------------
+
+
+def test_config_branches_and_round_trip():
+    cfg = SSDConfig(lookahead=2, fanout=[1, 2, 3])
+    assert cfg.branches == 6 and SSDConfig.from_dict(cfg.to_dict()) == cfg
+    assert SSDConfig(fanout_budget=5).branches == 5
