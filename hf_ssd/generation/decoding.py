@@ -42,6 +42,35 @@ def _vocab_size(model) -> int:
     return model.config.get_text_config().vocab_size
 
 
+# Processors that keep state across calls or assume one new token per call: verification scores K+1 positions
+# per round and rolls back, so they would silently change the output law. Every other processor is a function of
+# (prefix, scores) and is applied to each verified position with its exact prefix, which keeps SSD lossless.
+STATEFUL_PROCESSORS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor",
+    "ClassifierFreeGuidanceLogitsProcessor",
+    "SynthIDTextWatermarkLogitsProcessor",
+    "WhisperTimeStampLogitsProcessor",
+    "WhisperNoSpeechDetection",
+    "AlternatingCodebooksLogitsProcessor",
+    "BarkEosPrioritizerLogitsProcessor",
+    "DiaClassifierFreeGuidanceLogitsProcessor",
+    "DiaEOSChannelFilterLogitsProcessor",
+    "DiaEOSDelayPatternLogitsProcessor",
+}
+
+
+def check_processors(logits_processor) -> None:
+    """Refuse logits processors whose state would not survive multi-token verification and rollback."""
+    for processor in logits_processor or []:
+        name = type(processor).__name__
+        if name in STATEFUL_PROCESSORS:
+            raise ValueError(
+                f"SSD cannot use {name}: it keeps state across decoding steps, which speculative verification "
+                "(several positions per forward, then rollback) would silently break. Stateless processors "
+                "(penalties, bad words, min length, warpers, ...) are supported."
+            )
+
+
 def check_supported(model, assistant_model, input_ids, generation_config, synced_gpus, model_kwargs) -> None:
     """Refuse what SSD does not support, with a clear error, before any forward pass."""
     if assistant_model is None:
@@ -134,6 +163,7 @@ def ssd_decoding(
     """Speculative speculative decoding at batch size 1. Output law = the target's alone."""
     config = SSDConfig.coerce(generation_config.ssd_config)
     check_supported(model, assistant_model, input_ids, generation_config, synced_gpus, model_kwargs)
+    check_processors(logits_processor)
     cache_key = model_kwargs_cache_key(model_kwargs)
     target_cache = model_kwargs[cache_key]
     if hasattr(target_cache, "activate_past_recording"):

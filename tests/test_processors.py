@@ -1,0 +1,44 @@
+"""Logits processors: stateless ones keep SSD exact, stateful ones are refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_pair
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+
+from hf_ssd import SSDConfig
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"repetition_penalty": 1.5},
+        {"no_repeat_ngram_size": 2},
+        {"bad_words_ids": [[5], [7, 8]], "min_new_tokens": 10, "eos_token_id": 3},
+        {"sequence_bias": {(4,): -2.0, (11, 12): 3.0}},
+    ],
+    ids=["repetition", "no-repeat-ngram", "bad-words-min-length", "sequence-bias"],
+)
+@pytest.mark.parametrize("self_draft", [True, False])
+def test_greedy_with_prefix_dependent_processors(options, self_draft):
+    target, draft = tiny_pair("llama", seed=11)
+    torch.manual_seed(2)
+    input_ids = torch.randint(0, 96, (1, 10))
+    expected = target.generate(input_ids, max_new_tokens=40, do_sample=False, **options)
+    out = target.generate(input_ids, assistant_model=target if self_draft else draft, max_new_tokens=40,
+                          do_sample=False, ssd_config=SSDConfig(lookahead=3, fanout_budget=8), **options)
+    assert torch.equal(out, expected)
+
+
+def test_stateful_processor_is_refused_before_any_forward(monkeypatch):
+    target, draft = tiny_pair("llama", seed=12)
+    calls = []
+    original = type(draft).forward
+    monkeypatch.setattr(type(draft), "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    guidance = UnbatchedClassifierFreeGuidanceLogitsProcessor(1.5, target)
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft, ssd_config={}, max_new_tokens=5,
+                        do_sample=False, logits_processor=LogitsProcessorList([guidance]))
+    assert not calls
