@@ -183,3 +183,13 @@ def test_config_branches_and_round_trip():
     cfg = SSDConfig(lookahead=2, fanout=[1, 2, 3])
     assert cfg.branches == 6 and SSDConfig.from_dict(cfg.to_dict()) == cfg
     assert SSDConfig(fanout_budget=5).branches == 5
+
+
+def test_fork_candidates_skip_the_drafted_token_and_fill_the_fanout():
+    from hf_ssd.generation.fanout import fork_candidates
+
+    row_top = torch.tensor([[5, 1, 2, 3], [7, 8, 9, 1], [4, 6, 0, 2]])
+    drafted = torch.tensor([5, 9])  # s_1 = 5 (excluded from fork 0), s_2 = 9 (excluded from fork 1)
+    forks, cands = fork_candidates(row_top, drafted, torch.tensor([2, 3, 1]))
+    assert forks.tolist() == [0, 0, 1, 1, 1, 2]
+    assert cands.tolist() == [1, 2, 7, 8, 1, 4]  # fork 2 = "all accepted": nothing excluded

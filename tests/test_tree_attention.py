@@ -128,8 +128,11 @@ def test_resolve_commits_outcome_and_returns_hit_or_backup():
         hit = drafter.resolve(accepted=0, bonus=key[2], verified=2)
         assert hit.hit and hit.candidates == 3 and hit.speculation.source == "cache"
         assert drafter.context == prompt[0].tolist() + [key[2]]
-        assert len(drafter.cache) == prompt.shape[1]  # committed tokens except the newest
+        # committed tokens except the newest, then the hit branch's tree KV: [bonus, s'_1]
+        assert len(drafter.cache) == prompt.shape[1] + 2
+        assert drafter.cache.positions[-2:].tolist() == [8, 9]
         drafter.prepare(hit.speculation)
         miss = drafter.resolve(accepted=2, bonus=95 if key[2] != 95 else 94, verified=2)
         assert not miss.hit and miss.candidates == 0 and miss.speculation.source == "random"
+        assert len(drafter.cache) == prompt.shape[1] + 3  # a random backup leaves no KV behind
         assert isinstance(miss.speculation, Speculation) and miss.speculation.tokens.shape == (2,)

@@ -65,6 +65,15 @@ class DraftCache:
             self.positions = self.positions[:length]
             self.valid = self.valid[:length]
 
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep only the listed slots, in that order (e.g. the committed prefix plus one tree branch)."""
+        for layer in self.kv.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, slots)
+                layer.values = layer.values.index_select(-2, slots)
+        self.positions = self.positions[slots]
+        self.valid = self.valid[slots]
+
     def forward(
         self,
         tokens: torch.Tensor,

@@ -13,11 +13,17 @@ class Speculation:
 
     `probs` is None under greedy decoding (q is one-hot and verification only compares tokens).
     `source` is "cache" for a prepared branch, else the backup's name ("draft", "ngram", "random").
+    `row_top` [K, W], when set, holds the top-W draft tokens after [t_prev, s_1..s_j] for j < K, and means the
+    draft cache already holds the KV of [t_prev, s_1..s_{K-1}] right after the committed prefix: the next glue
+    forward then only has to run s_K.
+    `slots` [K], for a cached branch, are the draft-cache slots where the tree wrote that KV.
     """
 
     tokens: torch.Tensor  # [K] long
     probs: torch.Tensor | None  # [K, V] float or None
     source: str
+    row_top: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
     @property
     def is_primary(self) -> bool:
@@ -27,16 +33,16 @@ class Speculation:
 class SpeculationCache:
     """Branches prepared during one verification, addressable by the outcome they anticipate.
 
-    Built from tensors: `rows`, `forks`, `candidates` [B] (row, k, bonus-token key of each branch), `tokens` [B, K]
-    and `probs` [B, K, V] or None. Keys are moved to the host once, when the cache is built (off the target's
-    critical path).
+    Built from tensors: `rows`, `forks`, `candidates` [B] (row, k, bonus-token key of each branch), `tokens` [B, K],
+    `probs` [B, K, V] or None, and optionally `row_top` [B, K, W] and `slots` [B, K] (see `Speculation`). Keys are
+    moved to the host once, when the cache is built (off the target's critical path).
     """
 
     def __init__(self, rows: torch.Tensor, forks: torch.Tensor, candidates: torch.Tensor, tokens: torch.Tensor,
-                 probs: torch.Tensor | None):
+                 probs: torch.Tensor | None, row_top: torch.Tensor | None = None, slots: torch.Tensor | None = None):
         keys = torch.stack([rows, forks, candidates], dim=1).tolist()
         self._index = {tuple(key): i for i, key in enumerate(keys)}
-        self.tokens, self.probs = tokens, probs
+        self.tokens, self.probs, self.row_top, self.slots = tokens, probs, row_top, slots
         self.fanout_per_key: dict[tuple[int, int], int] = {}
         for row, fork, _ in keys:
             self.fanout_per_key[(row, fork)] = self.fanout_per_key.get((row, fork), 0) + 1
@@ -56,5 +62,7 @@ class SpeculationCache:
         i = self._index.get((row, accepted, bonus))
         if i is None:
             return None
-        probs = None if self.probs is None else self.probs[i]
-        return Speculation(self.tokens[i], probs, "cache")
+        def pick(t):
+            return None if t is None else t[i]
+
+        return Speculation(self.tokens[i], pick(self.probs), "cache", pick(self.row_top), pick(self.slots))

@@ -34,7 +34,7 @@ from ..cache.speculation_cache import Speculation, SpeculationCache
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
 from .backup import backup_speculation
-from .fanout import FanoutEstimator
+from .fanout import FanoutEstimator, fork_candidates
 from .saguaro import draft_probs
 
 # Sampling warpers that act on scores alone; the draft applies exactly these (in the target's order) to q.
@@ -136,20 +136,28 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.speculation = self._draft_just_in_time()
         return self.speculation
 
+    def _top(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's top-W tokens per row, W = branches + 1 (enough for any fork after skipping s_{j+1})."""
+        return logits.topk(min(self.vocab_size, self.config.branches + 1), dim=-1).indices
+
     def _draft_just_in_time(self) -> Speculation:
-        """The draft model's own speculation from the committed state: K single-token forwards."""
+        """The draft model's own speculation from the committed state: K single-token forwards.
+
+        Their KV stays in the cache and their top tokens travel with the speculation, so the next glue forward
+        only has to run the last drafted token.
+        """
         token = torch.tensor([self.t_prev], device=self.device)
-        tokens, probs = [], []
+        tokens, probs, tops = [], [], []
         for i in range(self.lookahead):
             self.check()
             visible = causal_visibility(self.cache.valid, 1)
             logits = self.cache.forward(token, torch.tensor([self.glue_start + i], device=self.device), visible)
+            tops.append(self._top(logits[-1:]))
             token, q = self._sample(logits[-1:], self._saguaro_top("backup", i + 1))
             tokens.append(token)
             probs.append(q)
-        self.cache.crop(self.prefix_len)
         stacked = torch.cat(probs) if self.do_sample else None
-        return Speculation(torch.cat(tokens), stacked, "draft")
+        return Speculation(torch.cat(tokens), stacked, "draft", row_top=torch.cat(tops))
 
     def _backup_speculation(self) -> Speculation:
         if self.backup == "draft":
@@ -160,64 +168,78 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         )
         return Speculation(tokens, probs, self.backup)
 
+    def _glue(self, speculation: Speculation) -> torch.Tensor:
+        """Append [t_prev, s_1..s_K] to the draft cache; returns the top-W tokens of its K+1 rows [K+1, W]."""
+        k = self.lookahead
+        drafted = speculation.tokens.to(self.device)
+        if speculation.row_top is not None:  # [t_prev, s_1..s_{K-1}] are cached already: run s_K alone
+            position = torch.tensor([self.glue_start + k], device=self.device)
+            logits = self.cache.forward(drafted[-1:], position, causal_visibility(self.cache.valid, 1))
+            return torch.cat([speculation.row_top.to(self.device), self._top(logits)])
+        glue = torch.cat([torch.tensor([self.t_prev], device=self.device), drafted])
+        positions = self.glue_start + torch.arange(k + 1, device=self.device)
+        return self._top(self.cache.forward(glue, positions, causal_visibility(self.cache.valid, k + 1)))
+
     def prepare(self, speculation: Speculation) -> None:
-        """Glue, fork and tree-decode every branch for the outcomes of verifying `speculation`."""
+        """Glue, fork and tree-decode every branch for the outcomes of verifying `speculation`.
+
+        The tree's KV stays in the cache until `resolve`, which keeps the branch that hits.
+        """
         k = self.lookahead
         self.speculation = speculation
         self.spec_cache = None
         self.check()
-        glue = torch.cat([torch.tensor([self.t_prev], device=self.device), speculation.tokens.to(self.device)])
-        glue_pos = self.glue_start + torch.arange(k + 1, device=self.device)
-        logits = self.cache.forward(glue, glue_pos, causal_visibility(self.cache.valid, k + 1))
-
-        # Fork: row j proposes its top F_j tokens; the drafted s_{j+1} can never be the bonus after j accepts.
+        row_top = self._glue(speculation)
         kind = "primary" if speculation.is_primary else "backup"
         fanout = torch.tensor(self.schedules[kind], device=self.device)
-        scores = logits.float().clone()
-        rows = torch.arange(k, device=self.device)
-        scores[rows, glue[1:]] = float("-inf")
-        width = int(self.schedules[kind] and max(self.schedules[kind]))
-        top = scores.topk(width, dim=-1).indices  # [K+1, Fmax]
-        keep = torch.arange(width, device=self.device)[None, :] < fanout[:, None]
-        forks = torch.arange(k + 1, device=self.device)[:, None].expand_as(top)[keep]
-        current = top[keep]
+        forks, current = fork_candidates(row_top, speculation.tokens.to(self.device), fanout)
+        candidates = current
         branches = current.shape[0]
 
         prefix_valid = self.cache.valid[: self.prefix_len]
+        base = self.prefix_len + k + 1
         tokens = torch.empty(branches, k, dtype=torch.long, device=self.device)
+        tops = torch.empty(branches, k, row_top.shape[1], dtype=torch.long, device=self.device)
         probs = torch.empty(branches, k, self.vocab_size, device=self.device) if self.do_sample else None
-        candidates = current
         for step in range(1, k + 1):
             self.check()
             visible = tree_step_visibility(prefix_valid, forks, k + 1, step)
             step_logits = self.cache.forward(current, tree_step_positions(self.glue_start, forks, step), visible)
+            tops[:, step - 1] = self._top(step_logits)
             current, q = self._sample(step_logits, self._saguaro_top("primary", step))
             tokens[:, step - 1] = current
             if probs is not None:
                 probs[:, step - 1] = q
-        self.cache.crop(self.prefix_len + k + 1)
-        self.spec_cache = SpeculationCache(torch.zeros_like(forks), forks, candidates, tokens, probs)
+        # Branch b's tree slots hold [candidate, s'_1..s'_{K-1}]: exactly the next glue's first K tokens.
+        slots = base + branches * torch.arange(k, device=self.device)[None, :] + torch.arange(
+            branches, device=self.device
+        )[:, None]
+        self.spec_cache = SpeculationCache(torch.zeros_like(forks), forks, candidates, tokens, probs, tops, slots)
 
     def resolve(self, accepted: int, bonus: int, verified: int) -> Resolution:
         """Commit the outcome of the round and return the next speculation (cache hit or backup).
 
-        Also feeds the fan-out estimator and snapshots the schedules for the next round; this runs strictly
-        between two verifications, so every executor sees the same schedules.
+        On a hit the cache keeps the committed prefix plus the hit branch's tree slots; on a miss it is cropped
+        to the committed prefix. Also feeds the fan-out estimator and snapshots the schedules for the next
+        round; this runs strictly between two verifications, so every executor sees the same schedules.
         """
         spec = self.speculation
         kind = "primary" if spec.is_primary else "backup"
         self.estimator.record_round(kind, accepted, verified)
-        self.cache.crop(self.prefix_len + accepted + 1)
-        self.context.extend(spec.tokens[:accepted].tolist())
-        self.context.append(bonus)
-        self.prefix_len += accepted + 1
-        self.glue_start += accepted + 1
-        self.t_prev = bonus
-
+        committed = self.prefix_len + accepted + 1
         candidates = self.spec_cache.candidates_at(0, accepted) if self.spec_cache is not None else 0
         found = self.spec_cache.lookup(0, accepted, bonus) if self.spec_cache is not None else None
         if candidates:
             self.estimator.record_lookup(candidates, found is not None)
+        if found is not None:
+            self.cache.keep(torch.cat([torch.arange(committed, device=self.device), found.slots]))
+        else:
+            self.cache.crop(committed)
+        self.context.extend(spec.tokens[:accepted].tolist())
+        self.context.append(bonus)
+        self.prefix_len = committed
+        self.glue_start += accepted + 1
+        self.t_prev = bonus
         self.spec_cache = None
         self.schedules = self.estimator.schedules()
         self.speculation = found if found is not None else self._backup_speculation()

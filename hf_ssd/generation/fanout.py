@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import torch
+
 
 def round_preserving_sum(weights: list[float], total: int) -> list[int]:
     """Round non-negative `weights` to ints summing to `total` (largest remainder method)."""
@@ -129,3 +131,20 @@ class FanoutEstimator:
         bucket = self.hits_by_f[candidates]
         bucket[0] += int(hit)
         bucket[1] += 1
+
+
+def fork_candidates(
+    row_top: torch.Tensor, drafted: torch.Tensor, fanout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill the fan-out with bonus candidates: fork j takes the first F_j tokens of row j's ranking.
+
+    `row_top` [K+1, W] ranks the draft's tokens after [t_prev, s_1..s_j]; for j < K the drafted s_{j+1} is skipped
+    (a rejected token is never the bonus). W must exceed max F_j. Returns (forks [B], candidates [B]).
+    """
+    rows = row_top.shape[0]
+    excluded = torch.zeros_like(row_top, dtype=torch.bool)
+    excluded[:-1] = row_top[:-1] == drafted[: rows - 1, None]
+    rank = (~excluded).cumsum(dim=-1) - 1
+    keep = ~excluded & (rank < fanout[:, None])
+    forks = torch.arange(rows, device=row_top.device)[:, None].expand_as(row_top)[keep]
+    return forks, row_top[keep]
