@@ -123,8 +123,15 @@ def _target_scores(model, input_ids, tokens, model_kwargs, logits_processor, fir
     kwargs = _prepare_token_type_ids(kwargs, candidate_ids.shape[1])
     if (position_ids := kwargs.get("position_ids")) is not None and length > 0:
         kwargs = _prepare_position_ids(kwargs, length + position_ids.shape[-1], False)
+    next_length = None if first else length + 1
+    if first:  # a cache passed in by the caller (continuation): feed only its uncached tail, as generate()'s prefill
+        cache = kwargs.get(model_kwargs_cache_key(kwargs) or "cache")
+        past = cache.get_seq_length() if cache is not None else 0
+        mask = kwargs.get("attention_mask")
+        if 0 < past < input_ids.shape[1] and (mask is None or mask.shape[1] == candidate_ids.shape[1]):
+            next_length = candidate_ids.shape[1] - past
     inputs = model.prepare_inputs_for_generation(
-        candidate_ids, next_sequence_length=None if first else length + 1, is_first_iteration=first, **kwargs
+        candidate_ids, next_sequence_length=next_length, is_first_iteration=first, **kwargs
     )
     if "logits_to_keep" in inputs:
         inputs["logits_to_keep"] = length + 1
@@ -161,9 +168,15 @@ def ssd_decoding(
     **model_kwargs,
 ):
     """Speculative speculative decoding at batch size 1. Output law = the target's alone."""
-    config = SSDConfig.coerce(generation_config.ssd_config)
-    check_supported(model, assistant_model, input_ids, generation_config, synced_gpus, model_kwargs)
-    check_processors(logits_processor)
+    try:
+        config = SSDConfig.coerce(generation_config.ssd_config)
+        check_supported(model, assistant_model, input_ids, generation_config, synced_gpus, model_kwargs)
+        resolve_executor(config.executor, assistant_model.device, model.device)
+        check_processors(logits_processor)
+    except Exception:
+        if streamer is not None:  # generate() already streamed the prompt: release a consumer waiting for more
+            streamer.end()
+        raise
     cache_key = model_kwargs_cache_key(model_kwargs)
     target_cache = model_kwargs[cache_key]
     if hasattr(target_cache, "activate_past_recording"):
