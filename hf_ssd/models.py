@@ -434,12 +434,14 @@ def fetch(
             "dtype": DTYPE, **facts, "bytes": folder_bytes(staging),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "transformers": importlib.metadata.version("transformers"),
-            "gguf_kept_at": str(kept) if keep_gguf else None,
+            "gguf_kept_at": str(kept) if kept.is_file() else None,
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         umask = os.umask(0)
         os.umask(umask)
-        staging.chmod(0o777 & ~umask)  # mkdtemp made it private
+        staging.chmod(0o777 & ~umask)  # mkdtemp (and the safetensors writer) made them private
+        for file in staging.iterdir():
+            file.chmod(0o666 & ~umask)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(staging, folder)
@@ -517,10 +519,13 @@ def run_command(args) -> int:
         if args.json:
             print(json.dumps(entries, indent=2))
             return 0
-        print(f"model cache: {cache_root(args.cache_dir)}")
+        root = cache_root(args.cache_dir)
+        print(f"model cache: {root}")
         for entry in entries:
             state = f"{_human(entry['bytes'])} {entry['dtype']}" if entry["fetched"] else "not fetched"
             print(f"  {entry['name']:<22} {entry['role'] or '-':<7} {state:<20} {entry['path']}")
+        for kept in sorted((root / "gguf").glob("*.gguf")):
+            print(f"  kept GGUF: {kept} ({_human(kept.stat().st_size)})")
         return 0
     except ModelsError as error:
         print(f"hf-ssd models: error: {error}", file=sys.stderr)
