@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -31,6 +32,10 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookahead", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--executor", default="auto", choices=["auto", "thread", "sync"])
+    parser.add_argument("--draft-precision", default="int8", choices=["fp32", "int8"],
+                        help="CPU precision of the draft; int8 keeps the output exact (default: int8)")
+    parser.add_argument("--target-precision", default="fp32", choices=["fp32", "int8"],
+                        help="CPU precision of the target; int8 is faster but not batch-invariant (default: fp32)")
     parser.add_argument("--json", action="store_true", help="print the SSD metrics as JSON")
 
 
@@ -71,9 +76,13 @@ def demo(args) -> int:
     import torch
 
     from . import SSDConfig, enable_ssd
+    from .precision import apply_precision
 
     target, draft, tokenizer = _load_pair(args)
-    enable_ssd(target)
+    if draft is target and args.draft_precision != args.target_precision:
+        draft = copy.deepcopy(target)
+    target = enable_ssd(apply_precision(target, args.target_precision))
+    draft = apply_precision(draft, args.draft_precision)
     if tokenizer is not None and tokenizer.chat_template:
         messages = [{"role": "user", "content": args.prompt}]
         input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -133,6 +142,20 @@ def _models_arguments(parser: argparse.ArgumentParser) -> None:
          _models_arguments)
 def models(args) -> int:
     from .models import run_command
+
+    return run_command(args)
+
+
+def _predict_arguments(parser: argparse.ArgumentParser) -> None:
+    from .speed_model import add_arguments
+
+    add_arguments(parser)
+
+
+@command("predict", "speed model: predicted SD/SSD speedups from latencies and statistics (CPU and H100)",
+         _predict_arguments)
+def predict(args) -> int:
+    from .speed_model import run_command
 
     return run_command(args)
 

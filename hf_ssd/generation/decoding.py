@@ -37,7 +37,9 @@ class SSDGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 
 def _vocab_size(model) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and hasattr(head, "weight"):
+    if isinstance(getattr(head, "out_features", None), int):  # nn.Linear, also dynamically quantized
+        return head.out_features
+    if isinstance(getattr(head, "weight", None), torch.Tensor):
         return head.weight.shape[0]
     return model.config.get_text_config().vocab_size
 

@@ -1,0 +1,30 @@
+"""CPU precision: an int8 draft leaves SSD's greedy output exactly the fp32 target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_pair
+
+from hf_ssd import SSDConfig
+from hf_ssd.precision import apply_precision
+
+
+def test_int8_draft_keeps_greedy_output_exact():
+    target, draft = tiny_pair("qwen2", seed=21)
+    quantized = apply_precision(draft, "int8")
+    assert type(quantized.lm_head).__module__.startswith("torch.ao.nn.quantized")
+    for self_draft in (apply_precision(target, "int8"), quantized):
+        torch.manual_seed(0)
+        input_ids = torch.randint(0, 96, (1, 9))
+        expected = target.generate(input_ids, max_new_tokens=30, do_sample=False)
+        out = target.generate(input_ids, assistant_model=self_draft, ssd_config=SSDConfig(lookahead=3),
+                              max_new_tokens=30, do_sample=False)
+        assert torch.equal(out, expected)
+
+
+def test_precision_validation():
+    target, _ = tiny_pair("llama")
+    assert apply_precision(target, "fp32") is target
+    with pytest.raises(ValueError, match="precision='bf16' is invalid"):
+        apply_precision(target, "bf16")
