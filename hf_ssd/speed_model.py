@@ -1,0 +1,735 @@
+"""Speed model: predicted AR / SD / SSD throughput from measured latencies and acceptance statistics.
+
+Pure Python (no torch). Formulas follow docs/ssd-algorithm.md §3 and §6 (Kumar, Dao, May, arXiv:2603.03251):
+Theorem 7 (SSD speedup), Corollary 9 (SSD/SD bounds), Corollary 16 (batch), Theorem 17 (backup choice).
+
+Normalisation (used by every closed-form function below)
+-------------------------------------------------------
+- ``t1``: one autoregressive (AR) target step, 1 token per step; AR throughput = 1 / t1.
+- ``t_v``: one target verification of K draft tokens (K+1 positions); ``v = t_v / t1`` (the paper takes v = 1).
+- ``T_SD, T_p, T_b``: drafting latency per round (SD's K draft forwards; SSD's primary round; SSD's backup),
+  all divided by ``t_v``, i.e. normalised to one verification as in the paper.
+- Speedup = (tokens per unit wall time of the method) / (tokens per unit wall time of AR), so every formula
+  carries the extra factor ``1 / v``: ``speedup_SD = E_SD / (v · (1 + T_SD))``. With ``v = 1`` it is the paper's.
+
+`predict` works in milliseconds from a `Latencies` table instead, and also models what the closed forms leave
+out on a 2-core CPU: draft and target threads slowing each other down (``overlap_efficiency``), a fixed
+per-round overhead, and this project's round structure (glue = one draft forward over s_K after a cached or
+just-in-time speculation, K+1 tokens after a fast backup; then K tree steps over B branches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+Acceptance = float | Sequence[float]
+Table = Mapping[int, float] | Callable[[int], float]
+
+# --- expected tokens per round -----------------------------------------------------------------------------
+
+
+def _acceptance_at(acceptance: Acceptance, position: int) -> float:
+    """Conditional acceptance of draft position `position` (1-based); a sequence repeats its last value."""
+    if isinstance(acceptance, (int, float)):
+        return float(acceptance)
+    if not acceptance:
+        raise ValueError("empty acceptance profile")
+    return float(acceptance[min(position, len(acceptance)) - 1])
+
+
+def expected_tokens(acceptance: Acceptance, K: int) -> float:
+    """Expected tokens emitted per round (accepted drafts + the bonus) with K draft tokens.
+
+    `acceptance` is either one per-token acceptance a (i.i.d., §4) or a per-position profile a_1, a_2, ...
+    of conditional acceptances (P(position i accepted | positions < i accepted), as in
+    `SSDMetrics.per_position_acceptance`; the last value repeats): E = 1 + Σ_{j=1..K} Π_{i<=j} a_i.
+    """
+    if K < 0:
+        raise ValueError(f"K must be >= 0, got {K}")
+    total, survive = 1.0, 1.0
+    for j in range(1, K + 1):
+        a = _acceptance_at(acceptance, j)
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"acceptance must lie in [0, 1], got {a}")
+        survive *= a
+        total += survive
+    return total
+
+
+def expected_tokens_sd(a: float, K: int) -> float:
+    """E_SD under i.i.d. acceptance a: (1 − a^(K+1)) / (1 − a), and K+1 at a = 1."""
+    if not 0.0 <= a <= 1.0 or K < 0:
+        raise ValueError(f"need 0 <= a <= 1 and K >= 0, got a={a}, K={K}")
+    return float(K + 1) if a == 1.0 else (1.0 - a ** (K + 1)) / (1.0 - a)
+
+
+def expected_tokens_hit(acceptance: Acceptance, K: int) -> float:
+    """E_hit: tokens per round when the speculation came from the cache (the primary draft).
+
+    Greedy: the tree drafts exactly what the draft would, so E_hit = E_SD. With Saguaro sampling pass the
+    (lower) acceptance of the rescaled draft distribution.
+    """
+    return expected_tokens(acceptance, K)
+
+
+def expected_tokens_miss(backup: str, acceptance: Acceptance, K: int, backup_acceptance: float = 0.0) -> float:
+    """E_miss: tokens per round when the speculation came from the backup.
+
+    ``backup="draft"`` (just-in-time draft model): SD-like, E_miss = E(acceptance, K). A fast backup
+    (``"fast"``, ``"ngram"``, ``"random"``): E(backup_acceptance, K); random tokens (a ≈ 1/V) give ≈ 1.
+    """
+    if backup == "draft":
+        return expected_tokens(acceptance, K)
+    return expected_tokens(backup_acceptance, K)
+
+
+def acceptance_for_tokens(E: float, K: int, tol: float = 1e-12) -> float:
+    """Inverse of `expected_tokens_sd`: the i.i.d. acceptance a with E_SD(a, K) = E (bisection)."""
+    if not 1.0 <= E <= K + 1:
+        raise ValueError(f"E must lie in [1, K+1] = [1, {K + 1}], got {E}")
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if expected_tokens_sd(mid, K) < E else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+# --- closed forms (normalised latencies) -------------------------------------------------------------------
+
+
+def _check_p(p: float) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"probability must lie in [0, 1], got {p}")
+
+
+def speedup_sd(E_sd: float, T_sd: float, v: float = 1.0) -> float:
+    """SD over AR in wall time: E_SD / (v · (1 + T_SD)).
+
+    T_SD = drafting time per round / t_v; v = t_v / t1 (verification of K+1 tokens vs one AR step).
+    """
+    return E_sd / (v * (1.0 + T_sd))
+
+
+def speedup_ssd(p_hit: float, E_hit: float, E_miss: float, T_p: float, T_b: float, v: float = 1.0) -> float:
+    """SSD over AR (Theorem 7, times 1/v for wall time):
+
+    [p·E_hit + (1−p)·E_miss] / (v · [p·max(1, T_p) + (1−p)·(1 + T_b)]).
+    A hit round lasts the longer of verification and the primary draft round; a miss first waits T_b.
+    """
+    return speedup_ssd_batch(p_hit, 1, E_hit, E_miss, T_p, T_b, v)
+
+
+def speedup_ssd_batch(
+    p: float, b: int, E_hit: float, E_miss: float, T_p: float, T_b: float, v: float = 1.0
+) -> float:
+    """SSD over AR at batch b (Corollary 16): the batch proceeds without a stall only if all b rows hit (p^b).
+
+    [p·E_hit + (1−p)·E_miss] / (v · [p^b·max(1, T_p) + (1 − p^b)·(1 + T_b)]); v = t_v / t1 at batch b.
+    Reduces to `speedup_ssd` at b = 1.
+    """
+    _check_p(p)
+    if b < 1:
+        raise ValueError(f"batch size must be >= 1, got {b}")
+    all_hit = p**b
+    tokens = p * E_hit + (1.0 - p) * E_miss
+    time = all_hit * max(1.0, T_p) + (1.0 - all_hit) * (1.0 + T_b)
+    return tokens / (v * time)
+
+
+def ssd_over_sd_bounds(p_hit: float, E_hit: float, E_sd: float, T_sd: float) -> tuple[float, float]:
+    """Corollary 9: (1+T_SD)·(E_hit/E_SD)·p_hit <= SSD/SD <= (1+T_SD)·(E_hit/E_SD).
+
+    Preconditions (derived from Theorem 7): the upper bound needs E_miss <= E_hit; the lower bound needs the
+    primary hidden (T_p <= 1) and E_miss >= p_hit·E_hit·T_b (true for a free backup, T_b = 0, and for the
+    just-in-time draft whenever T_b = T_SD <= 1 and E_miss = E_hit). v cancels in the ratio.
+    """
+    _check_p(p_hit)
+    upper = (1.0 + T_sd) * E_hit / E_sd
+    return p_hit * upper, upper
+
+
+def critical_batch_size(
+    p_hit: float,
+    E_hit: float,
+    E_sd: float,
+    T_p: float,
+    T_b: float,
+    E_miss_fast: float = 1.0,
+    T_b_fast: float = 0.0,
+    max_batch: int = 1 << 16,
+) -> int | None:
+    """Theorem 17: smallest b at which a fast backup beats the just-in-time neural backup (Corollary 16).
+
+    Neural backup: E_miss = E_sd, latency T_b (≈ T_SD). Fast backup: E_miss_fast (≈ 1), T_b_fast (≈ 0).
+    Their ratio fast/neural grows with b (a neural miss anywhere stalls the whole batch), so every b >= b*
+    also prefers the fast backup. Returns None if no b <= max_batch does.
+    """
+    for b in range(1, max_batch + 1):
+        fast = speedup_ssd_batch(p_hit, b, E_hit, E_miss_fast, T_p, T_b_fast)
+        neural = speedup_ssd_batch(p_hit, b, E_hit, E_sd, T_p, T_b)
+        if fast > neural:
+            return b
+    return None
+
+
+# --- latencies and statistics ------------------------------------------------------------------------------
+
+
+def _interpolate(points: Mapping[int, float], x: float) -> float:
+    """Piecewise-linear through `points`; linear extrapolation from the two nearest ends; one point: constant."""
+    xs = sorted(points)
+    if not xs:
+        raise ValueError("empty latency table")
+    if x in points:
+        return float(points[x])  # type: ignore[index]
+    if len(xs) == 1:
+        return float(points[xs[0]])
+    if x < xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif x > xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        hi = next(k for k in xs if k > x)
+        lo = max(k for k in xs if k < x)
+    y0, y1 = points[lo], points[hi]
+    return float(y0 + (y1 - y0) * (x - lo) / (hi - lo))
+
+
+def _lookup(table: Table | None, x: int, anchor: tuple[int, float]) -> float:
+    """A callable table is called; a dict is interpolated with `anchor` added unless it has that key."""
+    if callable(table):
+        return float(table(x))
+    points = {anchor[0]: anchor[1], **(table or {})}
+    return _interpolate(points, x)
+
+
+@dataclass
+class Latencies:
+    """Measured (or assumed) latencies in milliseconds, batch 1.
+
+    - target_step_ms: one target forward over 1 token (an AR step; also verification at K = 0).
+    - target_verify_ms: target forward over K+1 positions, keyed by K (draft tokens), or a callable K → ms;
+      K=0 ↦ target_step_ms is implied. Empty: the paper's idealisation, verify = target_step_ms.
+    - draft_step_ms: one single-token draft forward (SD drafting, just-in-time backup, the glue over s_K).
+    - draft_forward_ms: draft forward over n tokens, keyed by n (1 ↦ draft_step_ms implied); the glue after a
+      fast-backup speculation runs K+1 tokens.
+    - draft_tree_ms: one tree step over B branches, keyed by B, or a callable B → ms (1 ↦ draft_step_ms).
+    - backup_ms: a fast backup's cost per miss (n-gram / random tokens); the draft backup costs K·draft_step_ms.
+    - ar_ms_per_token: measured plain decoding ms/token, if different from target_step_ms (loop overhead).
+    - overlap_efficiency: speed of each of two concurrently running workers relative to running alone
+      (0.9 for two torch threads on these 2 cores; 1.0 for separate GPUs).
+    - round_overhead_ms: fixed per-round cost outside the forwards (Python, hand-offs), SD and SSD alike.
+    """
+
+    target_step_ms: float
+    draft_step_ms: float
+    target_verify_ms: Table = field(default_factory=dict)
+    draft_forward_ms: Table = field(default_factory=dict)
+    draft_tree_ms: Table = field(default_factory=dict)
+    backup_ms: float = 0.0
+    ar_ms_per_token: float | None = None
+    overlap_efficiency: float = 1.0
+    round_overhead_ms: float = 0.0
+
+    def verify(self, K: int) -> float:
+        """Target verification of K draft tokens (K+1 positions), ms."""
+        return _lookup(self.target_verify_ms, K, (0, self.target_step_ms))
+
+    def draft_forward(self, n: int) -> float:
+        """Draft forward over n tokens, ms."""
+        return _lookup(self.draft_forward_ms, n, (1, self.draft_step_ms))
+
+    def tree_step(self, branches: int) -> float:
+        """One tree-decode step over `branches` branches, ms."""
+        return _lookup(self.draft_tree_ms, branches, (1, self.draft_step_ms))
+
+    def ar(self) -> float:
+        """AR decoding ms per token."""
+        return self.ar_ms_per_token if self.ar_ms_per_token else self.target_step_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        def table(t: Table) -> Any:
+            return "callable" if callable(t) else {int(k): float(v) for k, v in t.items()}
+
+        return {
+            "target_step_ms": self.target_step_ms, "draft_step_ms": self.draft_step_ms,
+            "target_verify_ms": table(self.target_verify_ms), "draft_forward_ms": table(self.draft_forward_ms),
+            "draft_tree_ms": table(self.draft_tree_ms), "backup_ms": self.backup_ms,
+            "ar_ms_per_token": self.ar_ms_per_token, "overlap_efficiency": self.overlap_efficiency,
+            "round_overhead_ms": self.round_overhead_ms,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Latencies:
+        """Inverse of `to_dict` (JSON keys may be strings)."""
+        kwargs = dict(data)
+        for key in ("target_verify_ms", "draft_forward_ms", "draft_tree_ms"):
+            if key in kwargs:
+                kwargs[key] = {int(k): float(v) for k, v in (kwargs[key] or {}).items()}
+        return cls(**kwargs)
+
+
+@dataclass
+class Statistics:
+    """Acceptance and cache statistics (greedy unless stated).
+
+    - acceptance: i.i.d. per-token acceptance a, or a per-position conditional profile (see `expected_tokens`).
+    - p_hit: probability the verification outcome was among the cached ones.
+    - e_hit / e_miss: measured mean tokens per round after a hit / a miss (`SSDMetrics.tokens_per_round_*`);
+      None: derived from `acceptance` (and `backup_acceptance` for a fast backup).
+    - backup_acceptance: acceptance of a fast backup's tokens (0 for random tokens).
+    """
+
+    acceptance: Acceptance
+    p_hit: float
+    e_hit: float | None = None
+    e_miss: float | None = None
+    backup_acceptance: float = 0.0
+
+    def e_sd(self, K: int) -> float:
+        return expected_tokens(self.acceptance, K)
+
+    def e_hit_for(self, K: int) -> float:
+        return self.e_hit if self.e_hit else expected_tokens_hit(self.acceptance, K)
+
+    def e_miss_for(self, K: int, backup: str = "draft") -> float:
+        if self.e_miss:
+            return self.e_miss
+        return expected_tokens_miss(backup, self.acceptance, K, self.backup_acceptance)
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, Any]) -> Statistics:
+        """From an `SSDMetrics.to_dict()` (or a bench `metrics_median`) mapping."""
+        profile = [float(x) for x in metrics.get("per_position_acceptance") or []]
+        acceptance: Acceptance = profile or float(metrics.get("draft_acceptance_rate", 0.0))
+        return cls(
+            acceptance=acceptance,
+            p_hit=float(metrics.get("cache_hit_rate", 0.0)),
+            e_hit=float(metrics.get("tokens_per_round_hit") or 0.0) or None,
+            e_miss=float(metrics.get("tokens_per_round_miss") or 0.0) or None,
+        )
+
+
+# --- the round-time model ----------------------------------------------------------------------------------
+
+
+def _concurrent(a: float, b: float, efficiency: float) -> float:
+    """Wall time of two jobs started together that slow each other to `efficiency` while both run."""
+    if not 0.0 < efficiency <= 1.0:
+        raise ValueError(f"overlap_efficiency must lie in (0, 1], got {efficiency}")
+    short, long = min(a, b), max(a, b)
+    return long + short * (1.0 / efficiency - 1.0)
+
+
+FAST_BACKUPS = ("fast", "ngram", "random")
+
+
+def predict(
+    latencies: Latencies, stats: Statistics, K: int, B: int, backup: str = "draft", label: str = "CPU as measured"
+) -> dict[str, Any]:
+    """Predicted AR / SD / SSD throughput (tok/s), ratios, and a per-round time breakdown (ms).
+
+    - AR: 1 token per ``latencies.ar()`` ms.
+    - SD (transformers' assisted loop): round = K·draft_step + verify(K) + overhead, E_SD tokens.
+    - SSD, draft round d = glue + K·tree_step(B) (glue: draft_step after a cached / just-in-time speculation,
+      draft_forward(K+1) after a fast backup), running concurrently with verification:
+      hit round  = concurrent(verify(K), d) + overhead;
+      miss round = backup + concurrent(verify(K), d) + overhead, backup = K·draft_step for ``backup="draft"``
+      (the target waits for the just-in-time draft), else ``latencies.backup_ms``;
+      concurrent(x, y) = max(x, y) + min(x, y)·(1/overlap_efficiency − 1) (= max on separate devices).
+    With overlap_efficiency = 1, no overhead and d <= verify(K) this is Theorem 7 with T_p = d/t_v and
+    T_b = backup/t_v (``normalised``: v, T_SD, T_p, T_b and the closed forms). Theorem 7 charges a miss 1 + T_b,
+    i.e. assumes the primary round fits; here a miss costs backup + max(verify, d). ``normalised["effective"]``
+    folds overlap, overhead and glue into T_SD, T_p, T_b so the closed forms reproduce the prediction exactly;
+    Corollary 9's bounds are computed from them, with a flag telling whether its preconditions hold.
+    """
+    if K < 1 or B < 1:
+        raise ValueError(f"need K >= 1 and B >= 1, got K={K}, B={B}")
+    if backup not in ("draft", *FAST_BACKUPS):
+        raise ValueError(f"backup must be 'draft' or one of {FAST_BACKUPS}, got {backup!r}")
+    _check_p(stats.p_hit)
+    lat = latencies
+    t_ar, t_v, t_d, overhead = lat.ar(), lat.verify(K), lat.draft_step_ms, lat.round_overhead_ms
+    eff = lat.overlap_efficiency
+    e_sd, e_hit, e_miss = stats.e_sd(K), stats.e_hit_for(K), stats.e_miss_for(K, backup)
+    p = stats.p_hit
+
+    sd_draft = K * t_d
+    sd_round = sd_draft + t_v + overhead
+    tree = K * lat.tree_step(B)
+    d_hit = t_d + tree
+    if backup == "draft":
+        backup_ms, d_miss = K * t_d, d_hit
+    else:
+        backup_ms, d_miss = lat.backup_ms, lat.draft_forward(K + 1) + tree
+
+    def ssd_round(d: float, before: float) -> dict[str, float]:
+        body = _concurrent(t_v, d, eff)
+        return {
+            "backup": before, "verify": t_v, "draft_round": d, "overlap_penalty": body - max(t_v, d),
+            "target_idle": before + max(0.0, d - t_v), "overhead": overhead, "total": before + body + overhead,
+        }
+
+    hit, miss = ssd_round(d_hit, 0.0), ssd_round(d_miss, backup_ms)
+    ssd_ms = p * hit["total"] + (1.0 - p) * miss["total"]
+    ssd_tokens = p * e_hit + (1.0 - p) * e_miss
+    ar_tps, sd_tps, ssd_tps = 1e3 / t_ar, 1e3 * e_sd / sd_round, 1e3 * ssd_tokens / ssd_ms
+    T_sd, T_p, T_b = sd_draft / t_v, d_hit / t_v, backup_ms / t_v
+    v = t_v / t_ar
+    # Effective normalised latencies: whole round times (overlap penalty, overhead, glue) folded in, so that
+    # Theorem 7 / the SD formula with them reproduce the tok/s above exactly.
+    eff_sd, eff_p, eff_b = sd_round / t_v - 1.0, hit["total"] / t_v, miss["total"] / t_v - 1.0
+    lower, upper = ssd_over_sd_bounds(p, e_hit, e_sd, eff_sd)
+    preconditions = eff_p <= 1.0 + 1e-12 and e_miss <= e_hit and e_miss >= p * e_hit * eff_b
+    return {
+        "label": label, "K": K, "B": B, "backup": backup,
+        "ar_tok_s": ar_tps, "sd_tok_s": sd_tps, "ssd_tok_s": ssd_tps,
+        "sd_over_ar": sd_tps / ar_tps, "ssd_over_ar": ssd_tps / ar_tps, "ssd_over_sd": ssd_tps / sd_tps,
+        "E_sd": e_sd, "E_hit": e_hit, "E_miss": e_miss, "p_hit": p,
+        "normalised": {
+            "v": v, "T_sd": T_sd, "T_p": T_p, "T_b": T_b,
+            "theorem7_ssd_over_ar": speedup_ssd(p, e_hit, e_miss, T_p, T_b, v),
+            "sd_formula_over_ar": speedup_sd(e_sd, T_sd, v),
+            "effective": {"T_sd": eff_sd, "T_p": eff_p, "T_b": eff_b},
+            "corollary9_ssd_over_sd": [lower, upper],
+            "corollary9_preconditions": preconditions,
+        },
+        "breakdown_ms": {
+            "ar_per_token": t_ar,
+            "sd_round": {"draft": sd_draft, "verify": t_v, "overhead": overhead, "total": sd_round},
+            "ssd_hit_round": hit, "ssd_miss_round": miss, "ssd_mean_round": ssd_ms,
+            "ssd_mean_target_wait": p * hit["target_idle"] + (1.0 - p) * miss["target_idle"],
+        },
+    }
+
+
+# --- H100 framing (the paper's setting) --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishedSetting:
+    """Published decode throughputs (tok/s, greedy, batch 1, prefill excluded; ssd-algorithm.md §7)."""
+
+    name: str
+    hardware: str
+    ar_tok_s: float
+    sd_tok_s: float
+    ssd_tok_s: float
+    lookahead: int
+    fanout_per_position: int
+    draft_fraction: float  # ASSUMED draft single-token forward / target AR step (not published)
+
+
+H100_PUBLISHED: dict[str, PublishedSetting] = {
+    # Llama-3.2-1B on its own H100 with CUDA graphs: ~1.5-2 ms/forward vs 18.3 ms for the 70B step → 0.1.
+    "llama-70b": PublishedSetting(
+        "Llama-3.1-70B target / Llama-3.2-1B draft", "4×H100 target + 1×H100 draft",
+        54.7, 161.8, 255.8, lookahead=7, fanout_per_position=3, draft_fraction=0.10,
+    ),
+    # Qwen3-0.6B is deep and narrow (latency-bound). Corollary 9 with the published SSD/SD = 1.49 needs
+    # 1 + T_SD >= 1.49, i.e. a draft forward >= ~0.13 of the target step at K = 4 → 0.15.
+    "qwen3-32b": PublishedSetting(
+        "Qwen3-32B target / Qwen3-0.6B draft", "H100 (the paper's GPU setting)",
+        88.8, 136.8, 203.8, lookahead=4, fanout_per_position=3, draft_fraction=0.15,
+    ),
+}
+
+
+def h100_latencies(
+    setting: str = "llama-70b", verify_slope: float = 0.0125, tree_slope: float = 0.005,
+    draft_fraction: float | None = None,
+) -> Latencies:
+    """ASSUMED per-step latencies for the paper's H100 setting, derived from its published AR throughput.
+
+    - target step t1 = 1000 / AR tok/s (18.3 ms for Llama-70B, 11.3 ms for Qwen3-32B);
+    - verify(K) = t1·(1 + verify_slope·K): bandwidth-bound, 1.05× at K=4 and 1.10× at K=8;
+    - draft forward = draft_fraction·t1 (a per-setting assumption, see `H100_PUBLISHED`);
+    - tree step over B branches = draft forward·(1 + tree_slope·B) (1.12× at B=24; bandwidth-bound);
+    - separate GPUs (overlap_efficiency 1), CUDA graphs (no per-round overhead), fast backup free.
+    """
+    pub = H100_PUBLISHED[setting]
+    t1 = 1e3 / pub.ar_tok_s
+    t_d = (pub.draft_fraction if draft_fraction is None else draft_fraction) * t1
+    return Latencies(
+        target_step_ms=t1, draft_step_ms=t_d,
+        target_verify_ms=lambda K: t1 * (1.0 + verify_slope * K),
+        draft_forward_ms=lambda n: t_d * (1.0 + verify_slope * (n - 1)),
+        draft_tree_ms=lambda B: t_d * (1.0 + tree_slope * B),
+    )
+
+
+def h100_statistics(setting: str = "llama-70b", K: int | None = None, p_hit: float = 0.9, **kwargs: Any) -> Statistics:
+    """Statistics calibrated so the model reproduces the published SD tok/s (i.i.d. acceptance, SD at this K).
+
+    p_hit is an assumption (the paper reports bonus-token prediction of ~80-90%).
+    """
+    pub = H100_PUBLISHED[setting]
+    K = K or pub.lookahead
+    lat = h100_latencies(setting, **kwargs)
+    sd_round = K * lat.draft_step_ms + lat.verify(K)
+    E_sd = min(pub.sd_tok_s * sd_round / 1e3, K + 1.0)
+    return Statistics(acceptance=acceptance_for_tokens(E_sd, K), p_hit=p_hit)
+
+
+def predict_h100(stats: Statistics, K: int, B: int, setting: str = "llama-70b", backup: str = "draft",
+                 **assumptions: Any) -> dict[str, Any]:
+    """PREDICTION (not a measurement) for the paper's H100 setting with the given statistics.
+
+    Latencies come from `h100_latencies(setting, **assumptions)`; the published figures are attached under
+    ``"published"`` for comparison only.
+    """
+    pub = H100_PUBLISHED[setting]
+    result = predict(h100_latencies(setting, **assumptions), stats, K, B, backup,
+                     label=f"H100 PREDICTION ({pub.name}, {pub.hardware}; latencies assumed from AR {pub.ar_tok_s})")
+    result["published"] = {"ar_tok_s": pub.ar_tok_s, "sd_tok_s": pub.sd_tok_s, "ssd_tok_s": pub.ssd_tok_s}
+    return result
+
+
+# --- measured CPU latencies (docs/cpu-performance.md, Qwen2.5-Coder 1.5B / 0.5B, one intra-op thread each) --
+
+CPU_QWEN_INT8 = Latencies(
+    target_step_ms=211.0, target_verify_ms={4: 238.0, 8: 317.0}, draft_step_ms=100.0, draft_forward_ms={5: 116.0},
+    draft_tree_ms={8: 110.0, 16: 165.0, 24: 237.0}, overlap_efficiency=0.9,
+)
+CPU_QWEN_FP32 = Latencies(
+    target_step_ms=696.0, target_verify_ms={4: 2006.0, 8: 2305.0}, draft_step_ms=251.0, draft_forward_ms={5: 626.0},
+    draft_tree_ms={8: 710.0, 16: 840.0, 24: 891.0}, overlap_efficiency=0.9,
+)
+
+
+# --- why measurements differ -------------------------------------------------------------------------------
+
+
+def explain_gap(
+    predicted: Mapping[str, Any], measured: float | None, overheads: Mapping[str, Any] | None = None,
+    tolerance: float = 0.10,
+) -> list[str]:
+    """Human-readable reasons why measured SSD tok/s differs from `predict(...)` by more than `tolerance`.
+
+    `overheads` is an `SSDMetrics.to_dict()`-like mapping (rounds, wall/verify/target_wait seconds,
+    cache_hit_rate, mean_accepted_length); `measured` defaults to generated_tokens / wall_seconds from it.
+    Returns [] when within tolerance (or nothing to compare).
+    """
+    m = dict(overheads or {})
+    if measured is None and m.get("wall_seconds") and m.get("generated_tokens"):
+        measured = m["generated_tokens"] / m["wall_seconds"]
+    expected = predicted["ssd_tok_s"]
+    if not measured or not expected:
+        return []
+    gap = measured / expected - 1.0
+    if abs(gap) <= tolerance:
+        return []
+    br = predicted["breakdown_ms"]
+    round_ms = br["ssd_mean_round"]
+    reasons = [
+        f"measured {measured:.2f} tok/s is {abs(gap):.0%} {'below' if gap < 0 else 'above'} the predicted "
+        f"{expected:.2f} tok/s (predicted round {round_ms:.1f} ms, {predicted['ssd_over_ar']:.2f}x AR)"
+    ]
+    rounds = m.get("rounds") or 0
+    if rounds:
+        wall = 1e3 * m.get("wall_seconds", 0.0) / rounds
+        verify = 1e3 * m.get("verify_seconds", 0.0) / rounds
+        wait = 1e3 * m.get("target_wait_seconds", 0.0) / rounds
+        python = wall - verify - wait
+        reasons.append(f"measured round {wall:.1f} ms = verify {verify:.1f} + target wait {wait:.1f} "
+                       f"+ other {python:.1f} (predicted {round_ms:.1f})")
+        t_v = br["ssd_hit_round"]["verify"]
+        if verify > 1.1 * t_v:
+            reasons.append(f"verification took {verify:.1f} ms/round vs {t_v:.1f} assumed (+{verify / t_v - 1:.0%}): "
+                           "the target is slowed by the concurrent draft (core contention) or the context is longer")
+        want_wait = br["ssd_mean_target_wait"]
+        if wait - want_wait > 0.05 * round_ms:
+            reasons.append(f"the target waited {wait:.1f} ms/round for the draft vs {want_wait:.1f} predicted: the "
+                           "draft round (glue + K tree steps) does not fit inside verification, or misses cost more")
+        overhead = br["ssd_hit_round"]["overhead"]
+        if python - overhead > 0.05 * round_ms:
+            reasons.append(f"Python/hand-off overhead per round (wall − verify − wait) is {python:.1f} ms "
+                           f"({python / wall:.0%} of the round) vs {overhead:.1f} ms assumed")
+    hit = m.get("cache_hit_rate")
+    if hit is not None and m.get("cache_lookups", 1) and hit < predicted["p_hit"] - 0.02:
+        reasons.append(f"hit rate {hit:.2f} is lower than the assumed {predicted['p_hit']:.2f}: more rounds pay "
+                       f"the backup ({br['ssd_miss_round']['backup']:.1f} ms each)")
+    tokens = m.get("mean_accepted_length")
+    want_tokens = predicted["p_hit"] * predicted["E_hit"] + (1 - predicted["p_hit"]) * predicted["E_miss"]
+    if tokens and tokens < 0.95 * want_tokens:
+        reasons.append(f"{tokens:.2f} tokens per round vs {want_tokens:.2f} assumed: lower acceptance than assumed")
+    if len(reasons) == 1 + bool(rounds):
+        reasons.append("no measured overhead explains the gap: check machine load, thread settings and warm-up")
+    return reasons
+
+
+# --- `hf-ssd predict` --------------------------------------------------------------------------------------
+
+
+def _parse_table(text: str) -> dict[int, float]:
+    """'4:238,8:317' → {4: 238.0, 8: 317.0}."""
+    table = {}
+    for item in text.split(","):
+        key, _, value = item.partition(":")
+        if not value:
+            raise argparse.ArgumentTypeError(f"expected KEY:MS pairs like 4:238,8:317, got {text!r}")
+        table[int(key)] = float(value)
+    return table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `hf-ssd predict`."""
+    lat = parser.add_argument_group("latencies (ms; default: the int8 Qwen2.5-Coder pair of cpu-performance.md)")
+    lat.add_argument("--target-step-ms", type=float, help="one AR target forward (1 token)")
+    lat.add_argument("--target-verify-ms", type=_parse_table, help="verification by K draft tokens, e.g. 4:238,8:317")
+    lat.add_argument("--draft-step-ms", type=float, help="one single-token draft forward")
+    lat.add_argument("--draft-forward-ms", type=_parse_table, help="draft forward by token count, e.g. 5:116")
+    lat.add_argument("--draft-tree-ms", type=_parse_table, help="tree step by branches, e.g. 8:110,16:165,24:237")
+    lat.add_argument("--backup-ms", type=float, help="fast backup cost per miss")
+    lat.add_argument("--ar-ms", type=float, help="measured plain decoding ms/token (default: target step)")
+    lat.add_argument("--overlap-efficiency", type=float, help="concurrent draft/target efficiency (CPU ~0.9)")
+    lat.add_argument("--overhead-ms", type=float, help="per-round overhead outside the forwards")
+    st = parser.add_argument_group("statistics")
+    st.add_argument("--acceptance", type=float, nargs="+",
+                    help="per-token acceptance, or a per-position conditional profile (default 0.85 0.69)")
+    st.add_argument("--p-hit", type=float, help="cache hit rate (default 0.86)")
+    st.add_argument("--e-hit", type=float, help="measured tokens per round after a hit")
+    st.add_argument("--e-miss", type=float, help="measured tokens per round after a miss")
+    st.add_argument("--backup-acceptance", type=float, help="acceptance of a fast backup's tokens")
+    parser.add_argument("--lookahead", "-K", type=int, help="K (default 1, or the JSON's lookahead)")
+    parser.add_argument("--budget", "-B", type=int, help="fan-out budget / tree branches (default 8)")
+    parser.add_argument("--backup", choices=["draft", *FAST_BACKUPS], help="backup on a miss (default draft)")
+    parser.add_argument("--from-json", help="SSDMetrics dict, bench_core.py results, or {'latencies','statistics'}")
+    parser.add_argument("--method", help="with bench_core.py results: the SSD method row (default: first ssd-thread)")
+    parser.add_argument("--measured-tok-s", type=float, help="measured SSD tok/s, to explain the gap")
+    parser.add_argument("--h100", default="llama-70b", choices=[*H100_PUBLISHED, "none"],
+                        help="H100 setting for the labelled prediction")
+    parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
+
+
+def _from_json(path: str, method: str | None) -> dict[str, Any]:
+    """Latencies / statistics / K / B / measured figures found in a JSON file."""
+    data = json.loads(Path(path).read_text())
+    found: dict[str, Any] = {}
+    if "methods" in data:  # benchmarks/bench_core.py output
+        rows = [r for r in data["methods"] if r.get("kind") == "ssd" and (method is None or r["method"] == method)]
+        if method is None:
+            rows.sort(key=lambda r: r.get("executor") != "thread")
+        if not rows:
+            raise SystemExit(f"{path}: no SSD method row{f' named {method!r}' if method else ''}")
+        row = rows[0]
+        metrics = dict(row.get("metrics_median") or {})
+        if row.get("metrics"):
+            metrics["per_position_acceptance"] = row["metrics"][-1].get("per_position_acceptance")
+            metrics.setdefault("lookahead", row["metrics"][-1].get("lookahead"))
+        metrics.setdefault("lookahead", row.get("lookahead"))
+        found.update(K=row.get("lookahead"), B=row.get("budget"), measured=row.get("decode_tok_s_median"))
+        plain = data.get("plain_decode_tok_s")
+        if plain:
+            found["ar_ms"] = 1e3 / plain
+        found["metrics"] = metrics
+    elif "latencies" in data or "statistics" in data:
+        if "latencies" in data:
+            found["latencies"] = Latencies.from_dict(data["latencies"])
+        if "statistics" in data:
+            found["statistics"] = Statistics(**data["statistics"])
+        found.update(K=data.get("K"), B=data.get("B"), backup=data.get("backup"))
+    else:  # SSDMetrics.to_dict()
+        found["metrics"] = data
+        found.update(K=data.get("lookahead"), B=data.get("branches"), backup=data.get("backup"))
+    metrics = found.get("metrics")
+    if metrics:
+        found["statistics"] = Statistics.from_metrics(metrics)
+        if metrics.get("rounds") and metrics.get("verify_seconds"):
+            found["verify_ms"] = 1e3 * metrics["verify_seconds"] / metrics["rounds"]
+    return found
+
+
+def _print_prediction(result: Mapping[str, Any]) -> None:
+    K, B = result["K"], result["B"]
+    br = result["breakdown_ms"]
+    n = result["normalised"]
+    print(f"{result['label']}  (K={K}, B={B}, backup={result['backup']})")
+    print(f"  E_SD {result['E_sd']:.2f}, E_hit {result['E_hit']:.2f}, E_miss {result['E_miss']:.2f}, "
+          f"p_hit {result['p_hit']:.2f}; v {n['v']:.3f}, T_SD {n['T_sd']:.3f}, T_p {n['T_p']:.3f}, T_b {n['T_b']:.3f}")
+    print(f"  {'method':<16}{'tok/s':>10}{'x AR':>8}{'round ms':>11}")
+    print(f"  {'AR':<16}{result['ar_tok_s']:>10.2f}{1.0:>8.2f}{br['ar_per_token']:>11.1f}")
+    print(f"  {f'SD (K={K})':<16}{result['sd_tok_s']:>10.2f}{result['sd_over_ar']:>8.2f}"
+          f"{br['sd_round']['total']:>11.1f}")
+    print(f"  {f'SSD (K={K},B={B})':<16}{result['ssd_tok_s']:>10.2f}{result['ssd_over_ar']:>8.2f}"
+          f"{br['ssd_mean_round']:>11.1f}")
+    lo, hi = n["corollary9_ssd_over_sd"]
+    note = "" if n["corollary9_preconditions"] else "; preconditions not met: the primary round (with overlap " \
+        "penalty and overhead) outlasts verification, or E_miss is out of range"
+    print(f"  SSD/SD {result['ssd_over_sd']:.2f} (Corollary 9 bounds [{lo:.2f}, {hi:.2f}]{note})")
+    for name in ("ssd_hit_round", "ssd_miss_round"):
+        r = br[name]
+        print(f"  {name.replace('_', ' ')}: {r['total']:.1f} ms = backup {r['backup']:.1f} + max(verify "
+              f"{r['verify']:.1f}, draft {r['draft_round']:.1f}) + overlap {r['overlap_penalty']:.1f} "
+              f"+ overhead {r['overhead']:.1f}")
+    if "published" in result:
+        pub = result["published"]
+        print(f"  published (measured by the paper, for comparison): AR {pub['ar_tok_s']}, SD {pub['sd_tok_s']}, "
+              f"SSD {pub['ssd_tok_s']} tok/s")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`hf-ssd predict`: print CPU (as measured) and H100 (predicted) speedups."""
+    found = _from_json(args.from_json, args.method) if args.from_json else {}
+    lat = found.get("latencies") or CPU_QWEN_INT8
+    default_latencies = "latencies" not in found and args.target_step_ms is None and args.draft_step_ms is None
+    K = args.lookahead or found.get("K") or 1
+    B = args.budget or found.get("B") or 8
+    backup = args.backup or found.get("backup") or "draft"
+    if backup not in ("draft", *FAST_BACKUPS):
+        backup = "draft"
+    updates: dict[str, Any] = {}
+    for key, value in (
+        ("target_step_ms", args.target_step_ms), ("draft_step_ms", args.draft_step_ms),
+        ("draft_forward_ms", args.draft_forward_ms), ("draft_tree_ms", args.draft_tree_ms),
+        ("backup_ms", args.backup_ms),
+        ("ar_ms_per_token", args.ar_ms or (None if default_latencies else found.get("ar_ms"))),
+        ("overlap_efficiency", args.overlap_efficiency), ("round_overhead_ms", args.overhead_ms),
+    ):
+        if value is not None:
+            updates[key] = value
+    verify = dict(args.target_verify_ms or {})
+    if "verify_ms" in found and K not in verify and not default_latencies:
+        verify[K] = found["verify_ms"]
+    if verify:
+        updates["target_verify_ms"] = {**(lat.target_verify_ms if isinstance(lat.target_verify_ms, Mapping) else {}),
+                                       **verify}
+    lat = replace(lat, **updates)
+    stats = found.get("statistics") or Statistics(acceptance=[0.85, 0.69], p_hit=0.86)
+    stat_updates = {k: v for k, v in (
+        ("acceptance", list(args.acceptance) if args.acceptance else None), ("p_hit", args.p_hit),
+        ("e_hit", args.e_hit), ("e_miss", args.e_miss), ("backup_acceptance", args.backup_acceptance),
+    ) if v is not None}
+    stats = replace(stats, **stat_updates)
+    cpu = predict(lat, stats, K, B, backup, label="CPU, as measured (latencies given)" if not default_latencies
+                  else "CPU, int8 Qwen2.5-Coder latencies from cpu-performance.md")
+    # Measured figures from a JSON only mean something against latencies of the same model pair.
+    measured = args.measured_tok_s or (None if default_latencies else found.get("measured"))
+    reasons = explain_gap(cpu, measured, None if default_latencies else found.get("metrics"))
+    h100 = None if args.h100 == "none" else predict_h100(stats, K, B, args.h100, backup)
+    if args.json:
+        print(json.dumps({"cpu": cpu, "h100_prediction": h100, "gap": reasons,
+                          "latencies": lat.to_dict(), "statistics": vars(stats)}, indent=2, default=list))
+        return 0
+    acc = stats.acceptance
+    acc_text = f"{acc:.3f}" if isinstance(acc, (int, float)) else "[" + ", ".join(f"{x:.3f}" for x in acc) + "]"
+    print(f"statistics: acceptance {acc_text}, p_hit {stats.p_hit:.3f}")
+    if default_latencies and found:
+        print("note: latencies are cpu-performance.md's int8 Qwen pair (the JSON's timings are not used and no gap "
+              "is explained); pass --target-step-ms, --draft-step-ms, --target-verify-ms, --draft-tree-ms")
+    _print_prediction(cpu)
+    if reasons:
+        print("measured vs predicted:")
+        for reason in reasons:
+            print(f"  - {reason}")
+    if h100 is not None:
+        print()
+        _print_prediction(h100)
+        print("  (a prediction: these statistics with latencies assumed from the paper's AR figure; see "
+              "hf_ssd.speed_model.h100_latencies)")
+    return 0
