@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 
@@ -161,6 +162,8 @@ def predict(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Threads that busy-wait for work steal the core the other model's thread needs; set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="hf-ssd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, _, add_arguments) in COMMANDS.items():

@@ -18,6 +18,14 @@ class DraftCancelled(Exception):
     """Raised inside draft work when the generation it served has ended."""
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (respects affinity masks and container limits where the OS tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def resolve_executor(kind: str, draft_device: torch.device, target_device: torch.device) -> str:
     """The concrete executor for `kind` ("auto" picks the background thread wherever two can run)."""
     if kind == "stream":
@@ -26,13 +34,13 @@ def resolve_executor(kind: str, draft_device: torch.device, target_device: torch
             "use 'thread' (the draft on a background thread) or 'sync'."
         )
     if kind == "auto":
-        return "thread" if (os.cpu_count() or 1) >= 2 or draft_device != target_device else "sync"
+        return "thread" if available_cores() >= 2 or draft_device != target_device else "sync"
     return kind
 
 
 def split_threads(draft_threads: int | None, target_threads: int | None) -> tuple[int, int]:
     """Intra-op threads for (draft, target): by default half the cores each, at least one."""
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     draft = draft_threads or max(1, cores // 2)
     target = target_threads or max(1, cores - draft)
     return draft, target
