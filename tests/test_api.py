@@ -17,6 +17,7 @@ from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_ssd import SSDConfig, SSDGenerateDecoderOnlyOutput, SSDGenerationMixin, SSDMetrics, enable_ssd
+from hf_ssd.compat import cache_kwarg, output_cache
 from hf_ssd.generation import mixin
 
 VOCAB = 96
@@ -399,21 +400,22 @@ def test_continue_from_returned_cache(pair, executor):
     """Multi-turn use: generate, then continue from the returned cache (the target's cache holds all but the
     newest token). SSD must give plain greedy's continuation, with and without SSD in the first call."""
     target, random_draft = pair
+    key = cache_kwarg(target)  # "cache" from transformers 5.24 on, "past_key_values" before
     ids = prompt(seed=7)
     full = greedy(target, ids, 24)
     first_plain = greedy(target, ids, 10, return_dict_in_generate=True)
-    assert first_plain.cache.get_seq_length() == first_plain.sequences.shape[1] - 1
+    assert output_cache(first_plain).get_seq_length() == first_plain.sequences.shape[1] - 1
     for draft in (target, random_draft):
         config = SSDConfig(executor=executor)
         first = greedy(target, ids, 10, assistant_model=draft, ssd_config=config, return_dict_in_generate=True)
         assert torch.equal(first.sequences, first_plain.sequences)
-        assert first.cache.get_seq_length() == first_plain.cache.get_seq_length()
+        assert output_cache(first).get_seq_length() == output_cache(first_plain).get_seq_length()
         for source in (first, first_plain):
-            out = greedy(target, source.sequences, 14, cache=copy.deepcopy(source.cache), assistant_model=draft,
-                         ssd_config=config)
+            out = greedy(target, source.sequences, 14, assistant_model=draft, ssd_config=config,
+                         **{key: copy.deepcopy(output_cache(source))})
             assert torch.equal(out, full)
         # A cache prefilled by a plain forward over part of the prompt works the same.
         with torch.no_grad():
-            cache = target(ids[:, :5], use_cache=True).cache
-        out = greedy(target, ids, 24, cache=cache, assistant_model=draft, ssd_config=config)
+            cache = output_cache(target(ids[:, :5], use_cache=True))
+        out = greedy(target, ids, 24, assistant_model=draft, ssd_config=config, **{key: cache})
         assert torch.equal(out, full)
