@@ -33,6 +33,7 @@ class SSDMetrics:
     acceptance_estimate: dict[str, float] = field(default_factory=dict)
     power_law_estimate: float = 0.0
     hits_by_fanout: dict[int, list[int]] = field(default_factory=dict)
+    tree_steps_skipped: int = 0
     lookahead: int = 0
     branches: int = 0
     backup: str = ""

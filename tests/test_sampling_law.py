@@ -18,7 +18,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, tiny_pair
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
@@ -412,3 +412,15 @@ def test_negative_control_hit_path_q_misaligned_is_rejected(models, monkeypatch)
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
     print(f"hit-path negative control p-values {pvalues}, hits {hits}")
     assert hits > 0 and min(pvalues.values()) < REJECT, pvalues
+
+
+def test_sampling_is_reproducible_and_executor_independent():
+    """The same seed gives the same sampled tokens under both executors (per-round draft seeds)."""
+    target, draft = tiny_pair("llama", seed=31)
+    input_ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for executor in ("thread", "sync", "thread"):
+        torch.manual_seed(123)
+        outputs.append(target.generate(input_ids, assistant_model=draft, do_sample=True, max_new_tokens=30,
+                                       ssd_config=SSDConfig(lookahead=3, saguaro_c=0.5, executor=executor)))
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])

@@ -136,3 +136,22 @@ def test_resolve_commits_outcome_and_returns_hit_or_backup():
         assert not miss.hit and miss.candidates == 0 and miss.speculation.source == "random"
         assert len(drafter.cache) == prompt.shape[1] + 3  # a random backup leaves no KV behind
         assert isinstance(miss.speculation, Speculation) and miss.speculation.tokens.shape == (2,)
+
+
+def test_tree_stops_once_the_announced_outcome_is_not_prepared():
+    model = tiny_model("llama", layers=1, seed=6)
+    config = SSDConfig(lookahead=3, fanout=[2, 1, 1, 0])  # nothing prepared for "all three accepted"
+    estimator = FanoutEstimator(config.fanout, config.branches, 3, 96, 0.7, 1.0)
+    drafter = SaguaroCandidateGenerator(model, config, False, [], 96, estimator)
+    with torch.no_grad():
+        first = drafter.begin(torch.arange(1, 8)[None], None)
+        drafter.announce((3, 5))
+        drafter.prepare(first)
+        assert drafter.spec_cache is None and drafter.skipped_tree_steps == 3
+        miss = drafter.resolve(accepted=3, bonus=5, verified=3)
+        assert not miss.hit and miss.candidates == 0
+        drafter.announce((0, int(miss.speculation.tokens[0])))  # a rejected draft token is never prepared
+        drafter.prepare(miss.speculation)
+        assert drafter.spec_cache is None and drafter.skipped_tree_steps == 6
+        again = drafter.resolve(accepted=0, bonus=int(miss.speculation.tokens[0]) + 1, verified=3)
+        assert not again.hit and again.candidates == 2

@@ -103,6 +103,11 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.t_prev = 0
         self.speculation: Speculation | None = None  # the one the target is verifying
         self.spec_cache: SpeculationCache | None = None
+        self.fanout_in_use: list[int] = []  # the fan-out of the round being prepared
+        self.outcome: tuple[int, int] | None = None  # (accepted, bonus), announced once verification is done
+        self.skipped_tree_steps = 0
+        self._round = 0
+        self._base_seed = self.generator.initial_seed()
         self._last_accepted: int | None = None
 
     # --- sampling ---------------------------------------------------------------------------------------------
@@ -116,6 +121,18 @@ class SaguaroCandidateGenerator(CandidateGenerator):
     def _saguaro_top(self, kind: str, position: int) -> int:
         """Candidates to down-weight at speculation position `position` (1-based): F_{position-1} plus the draft."""
         return self.schedules[kind][position - 1] + 1
+
+    def _reseed(self, phase: int) -> None:
+        """Seed the draft's generator per round and phase, so the draws of a round never depend on how much work
+        an earlier round skipped (see `announce`): the same seed gives the same output under every executor."""
+        self.generator.manual_seed((self._base_seed + 2 * self._round + phase) % (2**63))
+
+    def announce(self, outcome: tuple[int, int] | None) -> None:
+        """Tell a running `prepare` the verified (accepted, bonus); it stops once that outcome is not prepared.
+
+        Called from the decoding loop's thread; a plain attribute write, read by the tree loop between steps.
+        """
+        self.outcome = outcome
 
     # --- round protocol ---------------------------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Speculation:
@@ -188,11 +205,14 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         k = self.lookahead
         self.speculation = speculation
         self.spec_cache = None
+        self._reseed(0)
         self.check()
         row_top = self._glue(speculation)
         kind = "primary" if speculation.is_primary else "backup"
-        fanout = torch.tensor(self.schedules[kind], device=self.device)
+        self.fanout_in_use = self.schedules[kind]
+        fanout = torch.tensor(self.fanout_in_use, device=self.device)
         forks, current = fork_candidates(row_top, speculation.tokens.to(self.device), fanout)
+        prepared = set(zip(forks.tolist(), current.tolist()))
         candidates = current
         branches = current.shape[0]
 
@@ -203,6 +223,10 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         probs = torch.empty(branches, k, self.vocab_size, device=self.device) if self.do_sample else None
         for step in range(1, k + 1):
             self.check()
+            outcome = self.outcome
+            if outcome is not None and outcome not in prepared:  # a known miss: the rest of the tree is waste
+                self.skipped_tree_steps += k + 1 - step
+                return
             visible = tree_step_visibility(prefix_valid, forks, k + 1, step)
             step_logits = self.cache.forward(current, tree_step_positions(self.glue_start, forks, step), visible)
             tops[:, step - 1] = self._top(step_logits)
@@ -227,7 +251,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         kind = "primary" if spec.is_primary else "backup"
         self.estimator.record_round(kind, accepted, verified)
         committed = self.prefix_len + accepted + 1
-        candidates = self.spec_cache.candidates_at(0, accepted) if self.spec_cache is not None else 0
+        candidates = self.fanout_in_use[accepted] if self.fanout_in_use else 0
         found = self.spec_cache.lookup(0, accepted, bonus) if self.spec_cache is not None else None
         if candidates:
             self.estimator.record_lookup(candidates, found is not None)
@@ -241,7 +265,10 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.glue_start += accepted + 1
         self.t_prev = bonus
         self.spec_cache = None
+        self.fanout_in_use = []
         self.schedules = self.estimator.schedules()
+        self._round += 1
+        self._reseed(1)
         self.speculation = found if found is not None else self._backup_speculation()
         return Resolution(self.speculation, found is not None, candidates)
 

@@ -214,6 +214,7 @@ def ssd_decoding(
             recorder.wait_seconds += time.perf_counter() - waited
             while not finished:
                 waited = time.perf_counter()
+                drafter.announce(None)
                 preparing = runtime.submit(drafter.prepare, speculation)
                 recorder.wait_seconds += time.perf_counter() - waited
 
@@ -230,6 +231,7 @@ def ssd_decoding(
                 else:
                     accepted, bonus = greedy_verify(tokens[None], scores)
                 accepted, bonus = (int(x) for x in torch.stack([accepted[0], bonus[0]]).tolist())
+                drafter.announce((accepted, bonus))
                 new_tokens = torch.cat([tokens[:accepted], tokens.new_tensor([bonus])])
 
                 if want_scores or want_logits:
@@ -283,6 +285,7 @@ def ssd_decoding(
         acceptance_estimate={k: estimator.acceptance(k) for k in ("primary", "backup")},
         power_law_estimate=estimator.power(),
         hits_by_fanout={f: list(v) for f, v in sorted(estimator.hits_by_f.items())},
+        tree_steps_skipped=drafter.skipped_tree_steps,
         branches=config.branches,
         backup=drafter.backup,
         executor=executor,
