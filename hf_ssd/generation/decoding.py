@@ -146,6 +146,20 @@ def _target_scores(model, input_ids, tokens, model_kwargs, logits_processor, fir
     return outputs, raw, scores
 
 
+def _verify(speculation, tokens, scores, generator) -> tuple[int, int]:
+    """(accepted, bonus) for the first `len(tokens)` tokens of `speculation` against processed target `scores`.
+
+    `generator` is None under greedy decoding. This is the round's one host synchronisation.
+    """
+    if generator is None:
+        accepted, bonus = greedy_verify(tokens[None], scores)
+    else:
+        q = speculation.probs[: tokens.shape[0]].to(scores.device)
+        accepted, bonus = sampling_verify(tokens[None], q[None], scores.softmax(-1), generator)
+    accepted, bonus = torch.stack([accepted[0], bonus[0]]).tolist()
+    return int(accepted), int(bonus)
+
+
 def _emit(input_ids, new_tokens, stopping_criteria, scores_so_far):
     """Append tokens one at a time and stop at the first one any stopping criterion fires on (like plain decoding).
 
@@ -173,7 +187,7 @@ def ssd_decoding(
     try:
         config = SSDConfig.coerce(generation_config.ssd_config)
         check_supported(model, assistant_model, input_ids, generation_config, synced_gpus, model_kwargs)
-        resolve_executor(config.executor, assistant_model.device, model.device)
+        executor = resolve_executor(config.executor, assistant_model.device, model.device)
         check_processors(logits_processor)
     except Exception:
         if streamer is not None:  # generate() already streamed the prompt: release a consumer waiting for more
@@ -190,7 +204,6 @@ def ssd_decoding(
     all_scores, all_logits = [], []
     lookahead = config.lookahead
     vocab_size = _vocab_size(model)
-    executor = resolve_executor(config.executor, assistant_model.device, model.device)
     draft_threads, target_threads = split_threads(config.draft_threads, config.target_threads)
     target_generator = _seeded_generator(input_ids.device) if do_sample else None
     draft_generator = _seeded_generator(assistant_model.device)
@@ -225,32 +238,19 @@ def ssd_decoding(
                 outputs, raw, scores = _target_scores(model, input_ids, tokens, model_kwargs, logits_processor, first)
                 if first and not getattr(output_cache(outputs), "is_croppable", True):
                     raise ValueError("SSD needs a target cache that can be cropped after verification.")
-                if do_sample:
-                    q = speculation.probs[:verified].to(input_ids.device)
-                    accepted, bonus = sampling_verify(tokens[None], q[None], scores.softmax(-1), target_generator)
-                else:
-                    accepted, bonus = greedy_verify(tokens[None], scores)
-                accepted, bonus = (int(x) for x in torch.stack([accepted[0], bonus[0]]).tolist())
+                accepted, bonus = _verify(speculation, tokens, scores, target_generator)
                 drafter.announce((accepted, bonus))
                 new_tokens = torch.cat([tokens[:accepted], tokens.new_tensor([bonus])])
 
-                if want_scores or want_logits:
-                    base = len(all_scores) if want_scores else len(all_logits)
-                    round_scores = [scores[:, i] for i in range(accepted + 1)]
-                    round_logits = [raw[:, i] for i in range(accepted + 1)]
-
-                    def so_far(n, base=base, round_scores=round_scores):
-                        return tuple(all_scores[:base]) + tuple(round_scores[:n]) if want_scores else None
-                else:
-
-                    def so_far(n):
-                        return None
-
-                input_ids, emitted, finished = _emit(input_ids, new_tokens, stopping_criteria, so_far)
-                if want_scores:
-                    all_scores.extend(round_scores[:emitted])
+                round_scores = [scores[:, i] for i in range(accepted + 1)] if want_scores else []
+                history = tuple(all_scores)
+                input_ids, emitted, finished = _emit(
+                    input_ids, new_tokens, stopping_criteria,
+                    lambda n: history + tuple(round_scores[:n]) if want_scores else None,  # noqa: B023
+                )
+                all_scores.extend(round_scores[:emitted])
                 if want_logits:
-                    all_logits.extend(round_logits[:emitted])
+                    all_logits.extend(raw[:, i] for i in range(emitted))
                 if streamer is not None:
                     streamer.put(new_tokens[:emitted].cpu())
 
