@@ -161,6 +161,20 @@ def predict(args) -> int:
     return run_command(args)
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench import add_arguments
+
+    add_arguments(parser)
+
+
+@command("bench", "benchmark AR vs transformers' assisted generation (SD) vs SSD on prompt sets; writes JSON, "
+         "Markdown and plots", _bench_arguments)
+def bench(args) -> int:
+    from .bench import run_command
+
+    return run_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Threads that busy-wait for work steal the core the other model's thread needs; set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

