@@ -502,16 +502,13 @@ def fit_power_law(hits_by_fanout: Mapping[Any, Sequence[int]], min_count: int = 
             xs.append(math.log(f))
             ys.append(math.log(1 - hits / n))
             ws.append(float(n))
-    if len(xs) < 2:
+    from .generation.fanout import weighted_line_fit
+
+    line = weighted_line_fit(xs, ys, ws)
+    if line is None:
         return None
-    w = sum(ws)
-    mx = sum(wi * x for wi, x in zip(ws, xs)) / w
-    my = sum(wi * y for wi, y in zip(ws, ys)) / w
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(ws, xs))
-    if sxx <= 1e-12:
-        return None
-    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(ws, xs, ys)) / sxx
-    return {"r": -slope, "m": math.exp(my - slope * mx), "points": len(xs)}
+    slope, intercept = line
+    return {"r": -slope, "m": math.exp(intercept), "points": len(xs)}
 
 
 def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

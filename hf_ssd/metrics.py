@@ -12,7 +12,9 @@ class SSDMetrics:
 
     `mean_accepted_length` counts accepted draft tokens plus the bonus token per round. `cache_hit_rate` is over
     the rounds that looked a speculation up (every round but the first). Times are wall-clock seconds:
-    `target_wait_seconds` is how long the target sat idle waiting for the draft.
+    `target_wait_seconds` is how long the target sat idle waiting for the draft (with `executor="sync"` that is
+    all the draft's work). `hits_by_fanout[F]` and `hits_by_position[k]` are `[hits, lookups]` by the number of
+    branches prepared at the outcome's fork and by the outcome's accepted length k.
     """
 
     rounds: int = 0
@@ -33,6 +35,7 @@ class SSDMetrics:
     acceptance_estimate: dict[str, float] = field(default_factory=dict)
     power_law_estimate: float = 0.0
     hits_by_fanout: dict[int, list[int]] = field(default_factory=dict)
+    hits_by_position: list[list[int]] = field(default_factory=list)
     tree_steps_skipped: int = 0
     lookahead: int = 0
     branches: int = 0
@@ -53,6 +56,7 @@ class MetricsRecorder:
         self.rounds = 0
         self.generated = 0
         self.lookups = 0
+        self.by_position = [[0, 0] for _ in range(lookahead + 1)]  # [hits, lookups] per accepted length k
         self.hits = 0
         self.accepted_total = 0
         self.verified_total = 0
@@ -77,7 +81,9 @@ class MetricsRecorder:
         bucket[1] += 1
         self.verify_seconds += seconds
 
-    def record_lookup(self, hit: bool) -> None:
+    def record_lookup(self, hit: bool, accepted: int) -> None:
+        self.by_position[accepted][0] += int(hit)
+        self.by_position[accepted][1] += 1
         self.lookups += 1
         self.hits += int(hit)
 
@@ -91,6 +97,7 @@ class MetricsRecorder:
             cache_lookups=self.lookups,
             cache_hits=self.hits,
             cache_hit_rate=ratio(self.hits, self.lookups),
+            hits_by_position=[list(bucket) for bucket in self.by_position],
             mean_accepted_length=ratio(self.emitted_total, self.rounds),
             draft_acceptance_rate=ratio(self.accepted_total, self.verified_total),
             per_position_acceptance=[ratio(p, r) for p, r in zip(self.passed, self.reached)],

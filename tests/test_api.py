@@ -252,6 +252,8 @@ def check_metrics(metrics: SSDMetrics, new_tokens: int, lookahead: int) -> None:
     assert metrics.lookahead == lookahead
     assert 1 <= metrics.rounds <= new_tokens
     assert metrics.cache_lookups == metrics.rounds - 1  # every round but the first looks one up
+    assert len(metrics.hits_by_position) == metrics.lookahead + 1
+    assert [sum(col) for col in zip(*metrics.hits_by_position)] == [metrics.cache_hits, metrics.cache_lookups]
     assert 0 <= metrics.cache_hits <= metrics.cache_lookups
     assert 0.0 <= metrics.cache_hit_rate <= 1.0
     if metrics.cache_lookups:

@@ -272,7 +272,7 @@ def ssd_decoding(
                 preparing.result()
                 resolution = runtime.submit(drafter.resolve, accepted, bonus, verified).result()
                 recorder.wait_seconds += time.perf_counter() - waited
-                recorder.record_lookup(resolution.hit)
+                recorder.record_lookup(resolution.hit, accepted)
                 speculation = resolution.speculation
     finally:
         if streamer is not None:

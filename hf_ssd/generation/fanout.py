@@ -60,6 +60,20 @@ def fit_acceptance(accepted: int, trials: int, prior: float, prior_weight: float
     return (accepted + prior * prior_weight) / (trials + prior_weight)
 
 
+def weighted_line_fit(xs: list[float], ys: list[float], ws: list[float]) -> tuple[float, float] | None:
+    """(slope, intercept) of the weighted least-squares line through (x, y); None when x does not vary."""
+    if len(xs) < 2:
+        return None
+    w = sum(ws)
+    mx = sum(wi * x for wi, x in zip(ws, xs)) / w
+    my = sum(wi * y for wi, y in zip(ws, ys)) / w
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(ws, xs))
+    if sxx <= 1e-12:
+        return None
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(ws, xs, ys)) / sxx
+    return slope, my - slope * mx
+
+
 def fit_power_law(hits_by_f: dict[int, list[int]], prior: float, min_count: int = 4) -> float:
     """Fit `r` in miss(F) ≈ m·F^(-r) by weighted least squares of log miss rate on log F.
 
@@ -73,16 +87,8 @@ def fit_power_law(hits_by_f: dict[int, list[int]], prior: float, min_count: int 
             xs.append(math.log(f))
             ys.append(math.log(miss))
             ws.append(float(n))
-    if len(xs) < 2:
-        return prior
-    w = sum(ws)
-    mx = sum(wi * x for wi, x in zip(ws, xs)) / w
-    my = sum(wi * y for wi, y in zip(ws, ys)) / w
-    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(ws, xs))
-    if sxx <= 1e-12:
-        return prior
-    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(ws, xs, ys)) / sxx
-    return min(max(-slope, 0.2), 4.0)
+    line = weighted_line_fit(xs, ys, ws)
+    return prior if line is None else min(max(-line[0], 0.2), 4.0)
 
 
 class FanoutEstimator:
