@@ -35,6 +35,25 @@ def _model_lock(model) -> threading.RLock:
         return lock
 
 
+def _check_request(model, assistant_model, extra: dict, merged: GenerationConfig) -> None:
+    """Refuse SSD requests that cannot work, before generate() does any work."""
+    if assistant_model is None:
+        raise ValueError("`ssd_config` needs a draft model: pass `assistant_model=` to generate().")
+    num_beams = extra.get("num_beams", merged.num_beams) or 1
+    if num_beams > 1:
+        raise ValueError(f"SSD supports greedy decoding and sampling, not beam search (num_beams={num_beams}).")
+    for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
+        if extra.get(name, getattr(merged, name, None)) is not None:
+            raise ValueError(f"`{name}` selects another candidate generator; it cannot be combined with SSD.")
+    # Before transformers' own check, whose message points to universal assisted decoding (not SSD's).
+    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(assistant_model)
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and "
+            f"the draft {draft_vocab}."
+        )
+
+
 class SSDGenerationMixin:
     """Mix into a `PreTrainedModel` (before it in the bases) to accept `ssd_config=` in `generate()`.
 
@@ -49,38 +68,20 @@ class SSDGenerationMixin:
         extra = bound.get("kwargs", {})
         generation_config = bound.get("generation_config")
         if generation_config is not None and not hasattr(generation_config, "ssd_config"):
-            generation_config = copy.deepcopy(generation_config)
+            generation_config = copy.deepcopy(generation_config)  # never mutate the caller's object
             _ensure_ssd_attribute(generation_config)
-            kwargs = {**kwargs, "generation_config": generation_config} if "generation_config" in kwargs else kwargs
-            if "generation_config" not in kwargs:
-                args = list(args)
-                args[1] = generation_config
-        if "ssd_config" in extra:
-            requested = extra["ssd_config"]
-        else:
-            requested = getattr(generation_config or self.generation_config, "ssd_config", None)
+            if "generation_config" in kwargs:
+                kwargs["generation_config"] = generation_config
+            else:
+                args = (args[0], generation_config, *args[2:])
+        merged = generation_config or self.generation_config
+        requested = extra["ssd_config"] if "ssd_config" in extra else getattr(merged, "ssd_config", None)
         if requested is None:
             return super().generate(*args, **kwargs)
-
         ssd_config = SSDConfig.coerce(requested)
         if "ssd_config" in kwargs:
             kwargs["ssd_config"] = ssd_config
-        if bound.get("assistant_model") is None:
-            raise ValueError("`ssd_config` needs a draft model: pass `assistant_model=` to generate().")
-        merged = generation_config or self.generation_config
-        num_beams = extra.get("num_beams", merged.num_beams) or 1
-        if num_beams > 1:
-            raise ValueError(f"SSD supports greedy decoding and sampling, not beam search (num_beams={num_beams}).")
-        for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
-            if extra.get(name, getattr(merged, name, None)) is not None:
-                raise ValueError(f"`{name}` selects another candidate generator; it cannot be combined with SSD.")
-        # Before transformers' own check, whose message points to universal assisted decoding (not SSD's).
-        target_vocab, draft_vocab = _vocab_size(self), _vocab_size(bound["assistant_model"])
-        if target_vocab != draft_vocab:
-            raise ValueError(
-                f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and "
-                f"the draft {draft_vocab}."
-            )
+        _check_request(self, bound.get("assistant_model"), extra, merged)
         with _model_lock(self):
             return super().generate(*args, **kwargs)
 
