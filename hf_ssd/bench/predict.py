@@ -1,0 +1,225 @@
+"""Directly measured latencies fed to the speed model: predicted next to measured, and why they differ."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .common import ALL, _ratio
+from .measure import BenchSettings, MethodSpec
+
+# --- latencies and the speed model -------------------------------------------------------------------------------
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def measure_latencies(target, draft, input_ids, lookahead: int, budget: int, threads: int = 1, repeats: int = 3,
+                      fanout: str = "geometric", tree: bool = True) -> dict[str, Any]:
+    """Milliseconds of the forwards the speed model needs, at `threads` intra-op threads, after `input_ids`.
+
+    - target_step_ms: target forward over 1 token with the prompt's KV cache (an AR step);
+    - target_verify_ms: target forward over K+1 tokens (a verification of K draft tokens);
+    - draft_step_ms: draft forward over 1 token (SD drafting; the just-in-time backup);
+    - draft_forward_ms: draft forward over K+1 tokens (the glue after a fast backup);
+    - draft_round_ms / draft_tree_ms: one real SSD draft round (`SaguaroCandidateGenerator.prepare`: glue over
+      s_K, fork, K tree steps over B branches) and (round − draft step) / K, one tree step of width B.
+    The KV cache is cropped back after every timed forward. Medians of `repeats` after one warm-up.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from ..compat import cache_kwarg
+    from ..config import SSDConfig
+    from ..generation.candidate_generator import SaguaroCandidateGenerator
+    from ..generation.decoding import _vocab_size
+    from ..generation.fanout import FanoutEstimator
+
+    def forward_cost(model, n: int) -> float:
+        name = cache_kwarg(model)
+        cache = DynamicCache()
+        model(input_ids=input_ids, use_cache=True, **{name: cache})
+        length = input_ids.shape[1]
+        tokens = input_ids[:, -n:] if n <= length else input_ids[:, -1:].repeat(1, n)
+        positions = torch.arange(length, length + n)[None]
+
+        def run():
+            model(input_ids=tokens, position_ids=positions, use_cache=True, logits_to_keep=n, **{name: cache})
+            cache.crop(-n)
+
+        return _median_ms(run, repeats)
+
+    saved = torch.get_num_threads()
+    result: dict[str, Any] = {"threads": threads, "context_tokens": int(input_ids.shape[1]), "repeats": repeats,
+                              "K": lookahead, "B": budget}
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            result["target_step_ms"] = forward_cost(target, 1)
+            result["target_verify_ms"] = {str(lookahead): forward_cost(target, lookahead + 1)}
+            result["draft_step_ms"] = forward_cost(draft, 1)
+            result["draft_forward_ms"] = {str(lookahead + 1): forward_cost(draft, lookahead + 1)}
+            if tree:
+                vocab = _vocab_size(target)
+                config = SSDConfig(lookahead=lookahead, fanout_budget=budget, fanout=fanout)
+                estimator = FanoutEstimator(config.fanout, budget, lookahead, vocab, config.acceptance_prior,
+                                            config.power_law_prior, config.adaptive)
+                drafter = SaguaroCandidateGenerator(draft, config, False, None, vocab, estimator)
+                speculation = drafter.begin(input_ids.to(draft.device), None)
+                slots = len(drafter.cache)
+
+                def draft_round():
+                    drafter.prepare(speculation)
+                    drafter.cache.crop(slots)
+
+                round_ms = _median_ms(draft_round, repeats)
+                result["draft_round_ms"] = {str(budget): round_ms}
+                result["draft_tree_ms"] = {str(budget): max(round_ms - result["draft_step_ms"], 0.0) / lookahead}
+    finally:
+        torch.set_num_threads(saved)
+    return result
+
+
+def latencies_for_model(measured: Mapping[str, Any], overlap_efficiency: float = 0.9):
+    """`speed_model.Latencies` from a `measure_latencies` dict."""
+    from ..speed_model import Latencies
+
+    def table(key: str) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (measured.get(key) or {}).items()}
+
+    return Latencies(
+        target_step_ms=float(measured["target_step_ms"]), draft_step_ms=float(measured["draft_step_ms"]),
+        target_verify_ms=table("target_verify_ms"), draft_forward_ms=table("draft_forward_ms"),
+        draft_tree_ms=table("draft_tree_ms"), overlap_efficiency=overlap_efficiency,
+    )
+
+
+def statistics_for_model(ssd: Mapping[str, Any]):
+    """`speed_model.Statistics` from `aggregate_ssd_metrics` output."""
+    from ..speed_model import Statistics
+
+    return Statistics.from_metrics(ssd)
+
+
+def _backup_kind(backup: str) -> str:
+    from ..speed_model import FAST_BACKUPS
+
+    return backup if backup in FAST_BACKUPS else "draft"
+
+
+def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[MethodSpec],
+                latencies: Mapping[int, Mapping[str, Any]], settings: BenchSettings) -> dict[str, Any]:
+    """Predicted (speed model, measured latencies + this run's statistics) next to measured decode tok/s.
+
+    `latencies[threads]`: `measure_latencies` output at that thread count; the one at the SSD target's thread
+    count (with the draft measured) predicts SSD as well as AR and SD; others predict AR and SD only.
+    """
+    from ..speed_model import explain_gap, predict
+
+    ssd_spec = next((m for m in methods if m.kind == "ssd"), None) or next(
+        (m for m in methods if m.kind == "ssd-sync"), None)
+    base = latencies.get(settings.target_threads) or next(iter(latencies.values()))
+    out: dict[str, Any] = {}
+    for dataset, by_method in summary.items():
+        out_pred = None
+        ssd = by_method[ssd_spec.key]["ssd"] if ssd_spec else None
+        if not ssd or not ssd["rounds"]:
+            continue
+        stats = statistics_for_model(ssd)
+        backup = _backup_kind(ssd.get("backup") or "draft")
+        rows = []
+        for threads, measured in sorted(latencies.items()):
+            merged = {**base, **{k: v for k, v in measured.items() if v is not None}}
+            lat = latencies_for_model(merged, settings.overlap_efficiency)
+            pred = predict(lat, stats, settings.lookahead, settings.budget, backup,
+                           label=f"CPU, latencies measured at {threads} thread(s)")
+            for m in methods:
+                if m.kind in ("ar", "sd") and m.threads == threads:
+                    got = by_method[m.key]["decode_tok_s"]
+                    want = pred[f"{m.kind}_tok_s"]
+                    row = {"method": m.key, "predicted_tok_s": want, "measured_tok_s": got,
+                           "measured_over_predicted": _ratio(got, want) if got else None, "gap": []}
+                    if got and want and abs(got / want - 1) > 0.10:
+                        row["gap"] = (_explain_sd_gap(pred, by_method[m.key], settings.lookahead) if m.kind == "sd"
+                                      else _explain_ar_gap(pred, by_method[m.key]))
+                    rows.append(row)
+                elif m.kind == "ssd" and threads == m.target_threads:
+                    got = by_method[m.key]["decode_tok_s"]
+                    want = pred["ssd_tok_s"]
+                    rows.append({"method": m.key, "predicted_tok_s": want, "measured_tok_s": got,
+                                 "measured_over_predicted": _ratio(got, want) if got else None,
+                                 "gap": explain_gap(pred, got, by_method[m.key]["ssd_decode_window"])})
+            if threads == settings.target_threads:
+                out_pred = pred
+        out[dataset] = {"statistics": vars(stats), "backup": backup, "rows": rows, "prediction": out_pred}
+    return out
+
+
+def _explain_ar_gap(pred: Mapping[str, Any], ar: Mapping[str, Any]) -> list[str]:
+    got, want = ar["decode_tok_s"], pred["ar_tok_s"]
+    reasons = [f"measured {got:.2f} tok/s is {abs(got / want - 1):.0%} {'below' if got < want else 'above'} the "
+               f"predicted {want:.2f} tok/s (one target step {pred['breakdown_ms']['ar_per_token']:.1f} ms)"]
+    window = ar.get("decode_window")
+    if window:
+        reasons.append(f"measured step {window['round_ms']:.1f} ms = target forward {window['target_forward_ms']:.1f}"
+                       f" + other {window['other_ms']:.1f} (the context grows during decoding; the direct forward "
+                       "ran at the prompt's length; machine load)")
+    return reasons
+
+
+def _explain_sd_gap(pred: Mapping[str, Any], sd: Mapping[str, Any], K: int) -> list[str]:
+    """Why transformers' assisted generation differs from the SD prediction (round time and tokens per round)."""
+    got = sd["decode_tok_s"]
+    want = pred["sd_tok_s"]
+    reasons = [f"measured {got:.2f} tok/s is {abs(got / want - 1):.0%} {'below' if got < want else 'above'} the "
+               f"predicted {want:.2f} tok/s"]
+    window = sd.get("decode_window")
+    if not window:
+        return reasons
+    br = pred["breakdown_ms"]["sd_round"]
+    reasons.append(f"measured round {window['round_ms']:.1f} ms = target verify {window['target_forward_ms']:.1f} + "
+                   f"draft {window['draft_ms']:.1f} ({window['draft_forwards_per_round']:.1f} forwards) + other "
+                   f"{window['other_ms']:.1f}; predicted {br['total']:.1f} ms = verify {br['verify']:.1f} + {K} draft "
+                   f"steps {br['draft']:.1f}")
+    accepted = window["tokens_per_round"]
+    if accepted < 0.95 * pred["E_sd"]:
+        reasons.append(f"SD emitted {accepted:.2f} tokens per round vs {pred['E_sd']:.2f} predicted from SSD's "
+                       "acceptance")
+    if window["target_forward_ms"] > 1.1 * br["verify"]:
+        reasons.append(f"verification took {window['target_forward_ms']:.1f} ms vs {br['verify']:.1f} measured "
+                       "directly (longer context as the answer grows, or machine load)")
+    if window["draft_ms"] > 1.1 * br["draft"]:
+        reasons.append(f"drafting took {window['draft_ms']:.1f} ms vs {br['draft']:.1f} predicted (transformers "
+                       "runs the assistant through generate() each round)")
+    if window["other_ms"] > 0.05 * window["round_ms"]:
+        reasons.append(f"{window['other_ms']:.1f} ms per round outside the forwards (assisted-generation loop: "
+                       "assistant generate() setup, logits processing, cache cropping, Python)")
+    return reasons
+
+
+def h100_predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[MethodSpec],
+                     settings: BenchSettings) -> dict[str, Any]:
+    """`predict_h100` with this run's pooled statistics (all datasets), per published setting: a PREDICTION."""
+    from ..speed_model import predict_h100
+
+    ssd_spec = next((m for m in methods if m.kind in ("ssd", "ssd-sync")), None)
+    if ssd_spec is None:
+        return {}
+    ssd = summary[ALL][ssd_spec.key]["ssd"]
+    if not ssd["rounds"]:
+        return {}
+    stats = statistics_for_model(ssd)
+    backup = _backup_kind(ssd.get("backup") or "draft")
+    return {name: predict_h100(stats, settings.lookahead, settings.budget, name, backup)
+            for name in settings.h100_settings}
+
+
