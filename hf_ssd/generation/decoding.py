@@ -165,11 +165,12 @@ def _emit(input_ids, new_tokens, stopping_criteria, scores_so_far):
 
     Returns (input_ids, number emitted, finished).
     """
+    extended = torch.cat([input_ids, new_tokens[None]], dim=-1)
+    start = input_ids.shape[1]
     for i in range(new_tokens.shape[0]):
-        input_ids = torch.cat([input_ids, new_tokens[i : i + 1][None]], dim=-1)
-        if bool(stopping_criteria(input_ids, scores_so_far(i + 1)).any()):
-            return input_ids, i + 1, True
-    return input_ids, new_tokens.shape[0], False
+        if bool(stopping_criteria(extended[:, : start + i + 1], scores_so_far(i + 1)).any()):
+            return extended[:, : start + i + 1], i + 1, True
+    return extended, new_tokens.shape[0], False
 
 
 def ssd_decoding(
