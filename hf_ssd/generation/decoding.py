@@ -73,6 +73,16 @@ def check_processors(logits_processor) -> None:
             )
 
 
+def check_vocabulary(model, assistant_model) -> None:
+    """The draft must score the target's vocabulary: SSD exchanges token ids and distributions, never text."""
+    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(assistant_model)
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and the "
+            f"draft {draft_vocab}."
+        )
+
+
 def check_supported(model, assistant_model, input_ids, generation_config, synced_gpus, model_kwargs) -> None:
     """Refuse what SSD does not support, with a clear error, before any forward pass."""
     if assistant_model is None:
@@ -81,12 +91,7 @@ def check_supported(model, assistant_model, input_ids, generation_config, synced
         raise ValueError("SSD supports decoder-only target and draft models; got an encoder-decoder model.")
     if input_ids.shape[0] != 1:
         raise ValueError(f"SSD currently supports batch size 1; got a batch of {input_ids.shape[0]} sequences.")
-    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(assistant_model)
-    if target_vocab != draft_vocab:
-        raise ValueError(
-            f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and the "
-            f"draft {draft_vocab}."
-        )
+    check_vocabulary(model, assistant_model)
     if synced_gpus:
         raise ValueError("SSD does not support `synced_gpus=True`.")
     if generation_config.output_attentions or generation_config.output_hidden_states:

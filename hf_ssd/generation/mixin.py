@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from ..config import SSDConfig
-from .decoding import _vocab_size, ssd_decoding
+from .decoding import check_vocabulary, ssd_decoding
 
 _GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
 _SSD_CLASSES: dict[type, type] = {}
@@ -46,12 +46,7 @@ def _check_request(model, assistant_model, extra: dict, merged: GenerationConfig
         if extra.get(name, getattr(merged, name, None)) is not None:
             raise ValueError(f"`{name}` selects another candidate generator; it cannot be combined with SSD.")
     # Before transformers' own check, whose message points to universal assisted decoding (not SSD's).
-    target_vocab, draft_vocab = _vocab_size(model), _vocab_size(assistant_model)
-    if target_vocab != draft_vocab:
-        raise ValueError(
-            f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and "
-            f"the draft {draft_vocab}."
-        )
+    check_vocabulary(model, assistant_model)
 
 
 class SSDGenerationMixin:
