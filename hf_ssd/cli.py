@@ -179,7 +179,7 @@ def models(args) -> int:
 
 
 def _predict_arguments(parser: argparse.ArgumentParser) -> None:
-    from .speed_model import add_arguments
+    from .predict_cli import add_arguments
 
     add_arguments(parser)
 
@@ -187,7 +187,7 @@ def _predict_arguments(parser: argparse.ArgumentParser) -> None:
 @command("predict", "speed model: predicted SD/SSD speedups from latencies and statistics (CPU and H100)",
          _predict_arguments)
 def predict(args) -> int:
-    from .speed_model import run_command
+    from .predict_cli import run_command
 
     return run_command(args)
 
