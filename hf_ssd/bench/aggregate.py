@@ -62,6 +62,13 @@ def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str
             bucket[0] += int(h)
             bucket[1] += int(n)
     hits_by_f = dict(sorted(hits_by_f.items(), key=lambda kv: int(kv[0])))
+    hits_by_k: list[list[int]] = []
+    for m in metrics_list:
+        for k, (h, n) in enumerate(m.get("hits_by_position") or []):
+            while len(hits_by_k) <= k:
+                hits_by_k.append([0, 0])
+            hits_by_k[k][0] += int(h)
+            hits_by_k[k][1] += int(n)
     generated = total("generated_tokens")
     wall, wait = total("wall_seconds"), total("target_wait_seconds")
     return {
@@ -88,6 +95,7 @@ def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str
         "target_wait_share": _ratio(wait, wall) or 0.0,
         "target_wait_ms_per_token": 1e3 * (_ratio(wait, generated) or 0.0),
         "hits_by_fanout": hits_by_f,
+        "hits_by_position": hits_by_k,
         "power_law_fit": fit_power_law(hits_by_f),
         "power_law_estimate_mean": _ratio(total("power_law_estimate"), len(metrics_list)) if metrics_list else None,
         "backup": next((m.get("backup") for m in metrics_list if m.get("backup")), ""),

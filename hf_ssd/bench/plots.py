@@ -56,10 +56,33 @@ def plot_speedups(results: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
+def _plot_hits_by_position(results: Mapping[str, Any], key: str | None, ax) -> None:
+    """Hit rate by the verified outcome's accepted length k (which fork the bonus token had to be found at)."""
+    for dataset, by_method in results["summary"].items():
+        ssd = (by_method.get(key) or {}).get("ssd") if key else None
+        buckets = (ssd or {}).get("hits_by_position") or []
+        points = [(k, h / n, n) for k, (h, n) in enumerate(buckets) if n > 0]
+        if not points:
+            continue
+        style = dict(color="black", marker="s", linewidth=1.6) if dataset == ALL else dict(marker="o", alpha=0.7)
+        ax.plot([k for k, _, _ in points], [r for _, r, _ in points], label=dataset, **style)
+        if dataset == ALL:
+            for k, r, n in points:
+                ax.annotate(f"n={n}", (k, r), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("k: accepted draft tokens of the verified outcome")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel("cache hit rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Hit rate by fork position (SSDMetrics.hits_by_position)", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def plot_hit_rate(results: Mapping[str, Any], path: Path) -> Path:
     """Miss rate 1 − hits/lookups against the fan-out F at the fork, log-log, per dataset, with the power-law fit."""
     key = _ssd_key(results)
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    fig, (ax, by_k) = plt.subplots(1, 2, figsize=(11.5, 4.6), gridspec_kw={"width_ratios": [1.3, 1]})
+    _plot_hits_by_position(results, key, by_k)
     plotted = False
     for dataset, by_method in results["summary"].items():
         ssd = (by_method.get(key) or {}).get("ssd") if key else None
