@@ -115,3 +115,37 @@ def test_greedy_identical_property(lookahead, budget, fanout, backup, prompt_len
     out = target.generate(input_ids, assistant_model=target if self_draft else random_draft, ssd_config=config,
                           max_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(out, _plain(target, input_ids, new_tokens))
+
+
+def _other_arch(name: str, layers: int):
+    import transformers as tf
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None)
+    if name == "gpt2":  # absolute position embeddings, fused qkv
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=layers, n_head=4, n_positions=512,
+                                                bos_token_id=None, eos_token_id=None))
+    config_cls, model_cls, extra = {
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, {"head_dim": 16, "sliding_window": 8}),  # soft-capping
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 8}),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
+    }[name]
+    return model_cls(config_cls(**base, **extra))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt2", "mixtral", "phi3"])
+def test_greedy_identical_on_other_architectures(name):
+    torch.manual_seed(0)
+    target = enable_ssd(_other_arch(name, 2).eval())
+    torch.manual_seed(1)
+    draft = _other_arch(name, 1).eval()
+    input_ids = torch.randint(0, 128, (1, 14), generator=torch.Generator().manual_seed(2))
+    expected = _plain(target, input_ids, 30)
+    for assistant in (target, draft):
+        out = target.generate(input_ids, assistant_model=assistant, ssd_config=SSDConfig(lookahead=3),
+                              max_new_tokens=30, do_sample=False)
+        assert torch.equal(out, expected)
+        if assistant is target:
+            assert target.ssd_metrics.cache_hits > 0
