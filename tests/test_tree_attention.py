@@ -155,3 +155,21 @@ def test_tree_stops_once_the_announced_outcome_is_not_prepared():
         assert drafter.spec_cache is None and drafter.skipped_tree_steps == 6
         again = drafter.resolve(accepted=0, bonus=int(miss.speculation.tokens[0]) + 1, verified=3)
         assert not again.hit and again.candidates == 2
+
+
+@pytest.mark.parametrize("self_draft", [True, False])
+def test_candidate_generator_interface_in_transformers_own_loop(monkeypatch, self_draft):
+    """`SaguaroCandidateGenerator` also serves transformers' stock assisted loop (synchronously, greedy exact)."""
+    from conftest import tiny_pair
+
+    target, draft = tiny_pair("llama", seed=41)
+    draft = target if self_draft else draft
+    config = SSDConfig(lookahead=3, fanout_budget=6)
+    estimator = FanoutEstimator(config.fanout, config.branches, 3, 96, 0.7, 1.0)
+    drafter = SaguaroCandidateGenerator(draft, config, False, [], 96, estimator)
+    monkeypatch.setattr(target, "_get_candidate_generator", lambda **kwargs: drafter)
+    input_ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+    expected = target.generate(input_ids, max_new_tokens=30, do_sample=False)
+    out = target.generate(input_ids, assistant_model=draft, max_new_tokens=30, do_sample=False)  # stock loop
+    assert torch.equal(out, expected)
+    assert drafter.speculation is not None and drafter._round > 0
