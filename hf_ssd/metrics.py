@@ -8,16 +8,23 @@ from typing import Any
 
 @dataclass
 class SSDMetrics:
-    """Statistics of one SSD generation (batch 1). Token counts follow vLLM's conventions.
+    """Statistics of one SSD generation. Token counts follow vLLM's conventions.
 
-    `mean_accepted_length` counts accepted draft tokens plus the bonus token per round. `cache_hit_rate` is over
-    the rounds that looked a speculation up (every round but the first). Times are wall-clock seconds:
+    `rounds` counts row-rounds (one per row per verification; equal to verifications at batch 1), `batch_rounds`
+    the verifications. `mean_accepted_length` counts accepted draft tokens plus the bonus token per row-round.
+    `cache_hit_rate` is over the row-rounds that looked a speculation up (every one but each row's first).
+    `tokens_per_round_by_source` splits tokens per row-round by where the speculation came from ("cache" = hit,
+    else the backup). `backup_decision` holds the last `backup="auto"` decision and its inputs (Corollary 16:
+    p_hit, E_hit, E_miss, T_p, T_b in units of one verification, the critical batch size, the batch size, the
+    choice). `peak_target_kv_bytes` / `peak_draft_kv_bytes` are the largest KV sizes seen after a round. Times are wall-clock seconds:
     `target_wait_seconds` is how long the target sat idle waiting for the draft (with `executor="sync"` that is
     all the draft's work). `hits_by_fanout[F]` and `hits_by_position[k]` are `[hits, lookups]` by the number of
     branches prepared at the outcome's fork and by the outcome's accepted length k.
     """
 
     rounds: int = 0
+    batch_rounds: int = 0
+    batch_size: int = 1
     generated_tokens: int = 0
     cache_lookups: int = 0
     cache_hits: int = 0
@@ -27,6 +34,11 @@ class SSDMetrics:
     per_position_acceptance: list[float] = field(default_factory=list)
     tokens_per_round_hit: float = 0.0
     tokens_per_round_miss: float = 0.0
+    tokens_per_round_by_source: dict[str, float] = field(default_factory=dict)
+    rounds_by_source: dict[str, int] = field(default_factory=dict)
+    backup_decision: dict[str, Any] = field(default_factory=dict)
+    peak_target_kv_bytes: int = 0
+    peak_draft_kv_bytes: int = 0
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_wait_seconds: float = 0.0
@@ -64,10 +76,30 @@ class MetricsRecorder:
         self.reached = [0] * lookahead
         self.passed = [0] * lookahead
         self.emitted_by_source = {"hit": [0, 0], "miss": [0, 0]}
+        self.by_source: dict[str, list[int]] = {}
         self.verify_seconds = 0.0
         self.wait_seconds = 0.0
+        self.batch_rounds = 0
+        self.peak_target = 0
+        self.peak_draft = 0
 
-    def record_round(self, primary: bool, accepted: int, verified: int, emitted: int, seconds: float) -> None:
+    def record_verify(self, seconds: float) -> None:
+        """One verification (of the whole batch)."""
+        self.batch_rounds += 1
+        self.verify_seconds += seconds
+
+    def record_memory(self, target_bytes: int, draft_bytes: int) -> None:
+        self.peak_target = max(self.peak_target, target_bytes)
+        self.peak_draft = max(self.peak_draft, draft_bytes)
+
+    def tokens_per_round(self, source: str) -> float:
+        """Mean tokens (accepted + bonus) per row-round whose speculation came from `source`; 0 if none."""
+        total, count = self.by_source.get(source, (0, 0))
+        return total / count if count else 0.0
+
+    def record_round(self, source: str, accepted: int, verified: int, emitted: int) -> None:
+        """One row's round; `source` is where its speculation came from ("cache" or the backup's name)."""
+        primary = source == "cache"
         self.rounds += 1
         self.generated += emitted
         self.accepted_total += accepted
@@ -79,7 +111,9 @@ class MetricsRecorder:
         bucket = self.emitted_by_source["hit" if primary else "miss"]
         bucket[0] += accepted + 1
         bucket[1] += 1
-        self.verify_seconds += seconds
+        per_source = self.by_source.setdefault(source, [0, 0])
+        per_source[0] += accepted + 1
+        per_source[1] += 1
 
     def record_lookup(self, hit: bool, accepted: int) -> None:
         self.by_position[accepted][0] += int(hit)
@@ -93,6 +127,7 @@ class MetricsRecorder:
 
         return SSDMetrics(
             rounds=self.rounds,
+            batch_rounds=self.batch_rounds,
             generated_tokens=self.generated,
             cache_lookups=self.lookups,
             cache_hits=self.hits,
@@ -103,6 +138,10 @@ class MetricsRecorder:
             per_position_acceptance=[ratio(p, r) for p, r in zip(self.passed, self.reached)],
             tokens_per_round_hit=ratio(*self.emitted_by_source["hit"]),
             tokens_per_round_miss=ratio(*self.emitted_by_source["miss"]),
+            tokens_per_round_by_source={k: ratio(*v) for k, v in sorted(self.by_source.items())},
+            rounds_by_source={k: v[1] for k, v in sorted(self.by_source.items())},
+            peak_target_kv_bytes=self.peak_target,
+            peak_draft_kv_bytes=self.peak_draft,
             verify_seconds=self.verify_seconds,
             target_wait_seconds=self.wait_seconds,
             lookahead=self.lookahead,

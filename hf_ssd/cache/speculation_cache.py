@@ -33,15 +33,19 @@ class Speculation:
 class SpeculationCache:
     """Branches prepared during one verification, addressable by the outcome they anticipate.
 
-    Built from tensors: `rows`, `forks`, `candidates` [B] (row, k, bonus-token key of each branch), `tokens` [B, K],
-    `probs` [B, K, V] or None, and optionally `row_top` [B, K, W] and `slots` [B, K] (see `Speculation`). Keys are
-    moved to the host once, when the cache is built (off the target's critical path).
+    Built from tensors: `rows`, `forks`, `candidates` [N] (row, k, bonus-token key of each branch), `tokens` [N, K],
+    `probs` [N, K, V] or None, and optionally `row_top` [N, K, W], `slots` [N, K] (see `Speculation`) and `valid`
+    [N] (branches to index; default all). Keys are moved to the host once, when the cache is built (off the
+    target's critical path).
     """
 
     def __init__(self, rows: torch.Tensor, forks: torch.Tensor, candidates: torch.Tensor, tokens: torch.Tensor,
-                 probs: torch.Tensor | None, row_top: torch.Tensor | None = None, slots: torch.Tensor | None = None):
+                 probs: torch.Tensor | None, row_top: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None):
         keys = torch.stack([rows, forks, candidates], dim=1).tolist()
-        self._index = {tuple(key): i for i, key in enumerate(keys)}
+        usable = [True] * len(keys) if valid is None else valid.tolist()
+        self._index = {tuple(key): i for i, (key, ok) in enumerate(zip(keys, usable)) if ok}
+        keys = [key for key, ok in zip(keys, usable) if ok]
         self.tokens, self.probs, self.row_top, self.slots = tokens, probs, row_top, slots
         self.fanout_per_key: dict[tuple[int, int], int] = {}
         for row, fork, _ in keys:

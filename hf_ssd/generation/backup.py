@@ -50,3 +50,29 @@ def backup_speculation(
         probs[: len(found)] = 0.0
         probs[torch.arange(len(found), device=device), tokens[: len(found)]] = 1.0
     return tokens, probs
+
+
+FAST_BACKUP = "ngram"  # the fast backup "auto" switches to: free to compute, and better than random tokens
+
+
+def choose_backup(
+    p_hit: float,
+    E_hit: float,
+    E_miss: float,
+    T_p: float,
+    T_b: float,
+    batch_size: int,
+    E_miss_fast: float = 1.0,
+) -> tuple[str, int | None]:
+    """`backup="auto"`: the just-in-time draft ("draft") or the fast backup, by Corollary 16 (Theorem 17).
+
+    Inputs are the run's own measurements: per-row hit rate `p_hit`, tokens per row-round after a hit `E_hit` and
+    after a draft backup `E_miss`, and the primary speculator's and the draft backup's latencies `T_p`, `T_b` in
+    units of one verification. The fast backup costs ~0 and yields `E_miss_fast` tokens. Returns the choice and
+    the critical batch size b* from which the fast backup wins (None: it never does).
+    """
+    from ..speed_model import critical_batch_size
+
+    p = min(max(p_hit, 0.0), 1.0)
+    critical = critical_batch_size(p, E_hit, E_miss, T_p, T_b, E_miss_fast=E_miss_fast, T_b_fast=0.0, max_batch=4096)
+    return (FAST_BACKUP if critical is not None and batch_size >= critical else "draft"), critical

@@ -141,16 +141,29 @@ class FanoutEstimator:
 
 def fork_candidates(
     row_top: torch.Tensor, drafted: torch.Tensor, fanout: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fill the fan-out with bonus candidates: fork j takes the first F_j tokens of row j's ranking.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fill each row's fan-out with bonus candidates: fork j takes the first F_j tokens of its ranking.
 
-    `row_top` [K+1, W] ranks the draft's tokens after [t_prev, s_1..s_j]; for j < K the drafted s_{j+1} is skipped
-    (a rejected token is never the bonus). W must exceed max F_j. Returns (forks [B], candidates [B]).
+    `row_top` [b, K+1, W] ranks the draft's tokens after [t_prev, s_1..s_j]; for j < K the drafted s_{j+1}
+    ([b, K]) is skipped (a rejected token is never the bonus). `fanout` [b, K+1] is each row's schedule; every
+    row's schedule has the same total B. Returns (forks [b, B], candidates [b, B], valid [b, B]); a branch is
+    invalid only when the vocabulary is too small to fill its fork (W <= F_j).
     """
-    rows = row_top.shape[0]
+    rows, width = row_top.shape[0], row_top.shape[-1]
+    totals = fanout.sum(dim=1)
+    if rows and bool((totals != totals[0]).any()):
+        raise ValueError(f"every row's fan-out must have the same total; got {totals.tolist()}.")
     excluded = torch.zeros_like(row_top, dtype=torch.bool)
-    excluded[:-1] = row_top[:-1] == drafted[: rows - 1, None]
-    rank = (~excluded).cumsum(dim=-1) - 1
-    keep = ~excluded & (rank < fanout[:, None])
-    forks = torch.arange(rows, device=row_top.device)[:, None].expand_as(row_top)[keep]
-    return forks, row_top[keep]
+    excluded[:, :-1] = row_top[:, :-1] == drafted[:, : row_top.shape[1] - 1, None]
+    order = (excluded.long() * width + torch.arange(width, device=row_top.device)).argsort(dim=-1)
+    ranked, ranked_excluded = row_top.gather(-1, order), excluded.gather(-1, order)
+    forks = torch.stack([
+        torch.repeat_interleave(torch.arange(fanout.shape[1], device=row_top.device), f) for f in fanout
+    ]) if rows else fanout.new_zeros(0, 0)
+    start = torch.cumsum(fanout, dim=1) - fanout  # first branch of each fork
+    rank = torch.arange(forks.shape[1], device=row_top.device)[None, :] - start.gather(1, forks)
+    clamped = rank.clamp(max=width - 1)
+    row_index = torch.arange(rows, device=row_top.device)[:, None]
+    candidates = ranked[row_index, forks, clamped]
+    valid = ~ranked_excluded[row_index, forks, clamped] & (rank < width)
+    return forks, candidates, valid
