@@ -371,9 +371,11 @@ def test_refusals_before_any_work(pair):
     odd_vocab = tiny_model("llama", layers=1, vocab_size=VOCAB + 8)
     hooks = [m.register_forward_pre_hook(lambda *_: forwards.append(1)) for m in (target, draft, odd_vocab)]
     cases = [
-        (dict(input_ids=ids.repeat(2, 1)), "batch size 1"),
+        (dict(input_ids=ids.repeat(2, 1)), "pad_token_id"),
+        (dict(input_ids=ids.repeat(2, 1), pad_token_id=0,
+              attention_mask=torch.ones_like(ids.repeat(2, 1)).index_fill_(1, torch.tensor([ids.shape[1] - 1]), 0)),
+         "left-padded"),
         (dict(num_return_sequences=2), "num_return_sequences"),
-        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
         (dict(num_beams=2), "beam search"),
         (dict(assistant_model=odd_vocab), "share the target.s vocabulary.*96 tokens and the draft 104"),
         (dict(assistant_model=None), "assistant_model"),

@@ -188,8 +188,23 @@ def test_config_branches_and_round_trip():
 def test_fork_candidates_skip_the_drafted_token_and_fill_the_fanout():
     from hf_ssd.generation.fanout import fork_candidates
 
-    row_top = torch.tensor([[5, 1, 2, 3], [7, 8, 9, 1], [4, 6, 0, 2]])
-    drafted = torch.tensor([5, 9])  # s_1 = 5 (excluded from fork 0), s_2 = 9 (excluded from fork 1)
-    forks, cands = fork_candidates(row_top, drafted, torch.tensor([2, 3, 1]))
-    assert forks.tolist() == [0, 0, 1, 1, 1, 2]
-    assert cands.tolist() == [1, 2, 7, 8, 1, 4]  # fork 2 = "all accepted": nothing excluded
+    row_top = torch.tensor([[[5, 1, 2, 3], [7, 8, 9, 1], [4, 6, 0, 2]],
+                            [[1, 5, 2, 3], [9, 7, 8, 1], [0, 6, 4, 2]]])
+    drafted = torch.tensor([[5, 9], [2, 7]])  # row 0: s_1 = 5 (out of fork 0), s_2 = 9 (out of fork 1)
+    fanout = torch.tensor([[2, 3, 1], [3, 1, 2]])  # per-row schedules with the same total
+    forks, cands, valid = fork_candidates(row_top, drafted, fanout)
+    assert forks.tolist() == [[0, 0, 1, 1, 1, 2], [0, 0, 0, 1, 2, 2]]
+    assert cands[0].tolist() == [1, 2, 7, 8, 1, 4]  # fork 2 = "all accepted": nothing excluded
+    assert cands[1].tolist() == [1, 5, 3, 9, 0, 6]
+    assert bool(valid.all())
+    with pytest.raises(ValueError, match="same total"):
+        fork_candidates(row_top, drafted, torch.tensor([[2, 3, 1], [1, 1, 1]]))
+
+
+def test_fork_candidates_mark_branches_a_tiny_vocabulary_cannot_fill():
+    from hf_ssd.generation.fanout import fork_candidates
+
+    row_top = torch.tensor([[[3, 1, 0], [2, 0, 1]]])  # vocabulary of 3: W = 3
+    forks, cands, valid = fork_candidates(row_top, torch.tensor([[3]]), torch.tensor([[3, 1]]))
+    assert forks.tolist() == [[0, 0, 0, 1]]
+    assert valid.tolist() == [[True, True, False, True]] and cands[0, :2].tolist() == [1, 0]

@@ -74,11 +74,11 @@ def measure_latencies(target, draft, input_ids, lookahead: int, budget: int, thr
                 estimator = FanoutEstimator(config.fanout, budget, lookahead, vocab, config.acceptance_prior,
                                             config.power_law_prior, config.adaptive)
                 drafter = SaguaroCandidateGenerator(draft, config, False, None, vocab, estimator)
-                speculation = drafter.begin(input_ids.to(draft.device), None)
+                speculations = drafter.begin(input_ids.to(draft.device), None)
                 slots = len(drafter.cache)
 
                 def draft_round():
-                    drafter.prepare(speculation)
+                    drafter.prepare(speculations)
                     drafter.cache.crop(slots)
 
                 round_ms = _median_ms(draft_round, repeats)

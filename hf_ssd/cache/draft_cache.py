@@ -65,6 +65,16 @@ class DraftCache:
     def _layers(self):
         return [layer for layer in self.kv.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` slots of every row."""
+        extra = len(self) - length
+        if extra < 0:
+            raise ValueError(f"cannot crop a draft cache of {len(self)} slots to {length}.")
+        if extra:
+            self.kv.crop(-extra)
+            self.positions = self.positions[:, :length]
+            self.valid = self.valid[:, :length]
+
     def keep(self, index: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Keep, for each row (of `rows`, default all), the slots `index` [b', W] in that order; `valid` [b', W]
         marks which of them stay visible (False for padding). See `alignment.compact`."""

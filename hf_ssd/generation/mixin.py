@@ -80,6 +80,13 @@ class SSDGenerationMixin:
         with _model_lock(self):
             return super().generate(*args, **kwargs)
 
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        # transformers' assisted path refuses num_return_sequences > 1; SSD decodes the expanded rows as a batch.
+        if getattr(generation_config, "ssd_config", None) is not None and generation_config.num_return_sequences > 1:
+            generation_config = copy.copy(generation_config)
+            generation_config.num_return_sequences = 1
+        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
     def _assisted_decoding(
         self,
         input_ids,
