@@ -16,10 +16,10 @@ class SSDMetrics:
     `tokens_per_round_by_source` splits tokens per row-round by where the speculation came from ("cache" = hit,
     else the backup). `backup_decision` holds the last `backup="auto"` decision and its inputs (Corollary 16:
     p_hit, E_hit, E_miss, T_p, T_b in units of one verification, the critical batch size, the batch size, the
-    choice). `peak_target_kv_bytes` / `peak_draft_kv_bytes` are the largest KV sizes seen after a round. Times are wall-clock seconds:
-    `target_wait_seconds` is how long the target sat idle waiting for the draft (with `executor="sync"` that is
-    all the draft's work). `hits_by_fanout[F]` and `hits_by_position[k]` are `[hits, lookups]` by the number of
-    branches prepared at the outcome's fork and by the outcome's accepted length k.
+    choice). `peak_target_kv_bytes` / `peak_draft_kv_bytes` are the largest KV sizes seen after a round. Times are
+    wall-clock seconds: `target_wait_seconds` is how long the target sat idle waiting for the draft (with
+    `executor="sync"` that is all the draft's work). `hits_by_fanout[F]` and `hits_by_position[k]` are `[hits,
+    lookups]` by the number of branches prepared at the outcome's fork and by the outcome's accepted length k.
     """
 
     rounds: int = 0

@@ -294,19 +294,19 @@ def models():
 _EXACT: dict[tuple, np.ndarray] = {}
 
 
-def exact_law(model, sampling: dict) -> np.ndarray:
-    """P(continuation) for every continuation of PROMPT, shape [V] * NEW_TOKENS, by enumerating prefixes.
+def exact_law(model, sampling: dict, prompt: tuple[int, ...] = tuple(PROMPT)) -> np.ndarray:
+    """P(continuation) for every continuation of `prompt`, shape [V] * NEW_TOKENS, by enumerating prefixes.
 
     Uses the target's own logits processors (transformers' `_get_logits_processor`, as `generate` does).
     """
-    key = (id(model), tuple(sorted(sampling.items())))
+    key = (id(model), tuple(sorted(sampling.items())), tuple(prompt))
     if key not in _EXACT:
         config = copy.deepcopy(model.generation_config)
         config.update(do_sample=True, **sampling)
         processors = model._get_logits_processor(config)
         law = np.ones(())
         for step in range(NEW_TOKENS):
-            ids = torch.tensor([PROMPT + list(p) for p in itertools.product(range(E2E_VOCAB), repeat=step)])
+            ids = torch.tensor([list(prompt) + list(p) for p in itertools.product(range(E2E_VOCAB), repeat=step)])
             with torch.no_grad():
                 probs = processors(ids, model(ids).logits[:, -1].float()).softmax(-1).double().numpy()
             law = (law.reshape(-1, 1) * probs).reshape([E2E_VOCAB] * (step + 1))

@@ -7,9 +7,9 @@ import torch
 from conftest import tiny_model
 
 from hf_ssd import SSDConfig
+from hf_ssd.cache.alignment import compact, gather_slots, keep_leading
 from hf_ssd.cache.draft_cache import DraftCache
 from hf_ssd.cache.speculation_cache import Speculation
-from hf_ssd.cache.alignment import compact, gather_slots, keep_leading
 from hf_ssd.cache.tree_attention import (
     additive_mask,
     causal_visibility,

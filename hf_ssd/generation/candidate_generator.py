@@ -31,9 +31,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from ..cache.alignment import compact
 from ..cache.draft_cache import DraftCache
 from ..cache.speculation_cache import Speculation, SpeculationCache
-from ..cache.alignment import compact
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
 from .backup import backup_speculation

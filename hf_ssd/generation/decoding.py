@@ -14,6 +14,8 @@ import dataclasses
 import time
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask,
     _prepare_position_ids,
@@ -21,15 +23,12 @@ from transformers.generation.candidate_generator import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-
 from ..cache.alignment import compact, gather_slots, keep_leading
 from ..compat import model_kwargs_cache_key, output_cache
 from ..config import SSDConfig
 from ..metrics import MetricsRecorder, SSDMetrics
-from .candidate_generator import SaguaroCandidateGenerator
 from .backup import FAST_BACKUP, choose_backup
+from .candidate_generator import SaguaroCandidateGenerator
 from .fanout import FanoutEstimator
 from .runtime import DraftRuntime, resolve_executor, split_threads
 from .verification import greedy_verify, sampling_verify
@@ -193,19 +192,31 @@ def _extend_row_inputs(model_kwargs, length: int):
     return kwargs
 
 
-def _process(logits_processor, row_ids: torch.Tensor, tokens: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """Processed scores [L+1, V] of one row: position i sees exactly the row's own prefix plus tokens[:i].
+def _process(logits_processor, row_ids: list[torch.Tensor], active: list[int], tokens: torch.Tensor,
+             raw: torch.Tensor) -> torch.Tensor:
+    """Processed scores [b, L+1, V]: row i at position m sees exactly its own prefix plus tokens[i, :m].
 
-    `row_ids` is the row as plain decoding holds it (its prompt as passed, padding included, plus what it has
-    generated), so length- and content-dependent processors behave exactly as there.
+    `row_ids[r]` is original row r as plain decoding holds it (its prompt as passed, padding included, plus what it
+    has generated), so length- and content-dependent processors behave exactly as there. Processors may hold
+    per-row state for the original batch (e.g. the repetition penalty's prompt lengths): each call gets a batch
+    of the original size with the rows in their original places; rows of equal length share a call.
     """
     scores = raw.clone()
     if not logits_processor:
         return scores
-    extended = torch.cat([row_ids, tokens])[None]
-    start = row_ids.shape[0]
-    for i in range(raw.shape[0]):
-        scores[i] = logits_processor(extended[:, : start + i], raw[i : i + 1])[0]
+    batch = len(row_ids)
+    for m in range(raw.shape[1]):
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(active):
+            groups.setdefault(row_ids[r].shape[0] + m, []).append(i)
+        for members in groups.values():
+            views = {active[i]: torch.cat([row_ids[active[i]], tokens[i, :m]]) for i in members}
+            filler = views[active[members[0]]]
+            ids = torch.stack([views.get(r, filler) for r in range(batch)])
+            originals = [active[i] for i in members]
+            batch_scores = raw[members[0], m].expand(batch, -1).clone()
+            batch_scores[originals] = raw[members, m]
+            scores[members, m] = logits_processor(ids, batch_scores)[originals]
     return scores
 
 
@@ -403,6 +414,11 @@ def ssd_decoding(
     row_scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     row_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     done = [False] * batch
+    # Plain decoding pads rows that finished only when an EOS criterion is present; otherwise every row goes on
+    # until all rows' criteria have fired once (`limit`: that step).
+    pads_finished = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    fired_at: list[int | None] = [None] * batch
+    limit: int | None = None
     active = list(range(batch))  # original row of each row still in the batch
     stream = _BatchStreamer(streamer, batch, pad_id)
     layout_ids = input_ids  # the target's left-padded, right-aligned view of the active rows
@@ -427,9 +443,7 @@ def ssd_decoding(
                 outputs, extended, raw = _target_scores(model, layout_ids, tokens, model_kwargs, first)
                 if first and not getattr(output_cache(outputs), "is_croppable", True):
                     raise ValueError("SSD needs a target cache that can be cropped after verification.")
-                scores = torch.stack([
-                    _process(logits_processor, row_ids[r], tokens[i], raw[i]) for i, r in enumerate(active)
-                ])
+                scores = _process(logits_processor, row_ids, active, tokens, raw)
                 accepted, bonus = _verify(speculations, tokens, scores, target_generator)
                 drafter.announce(list(zip(accepted, bonus)))
                 recorder.record_verify(time.perf_counter() - verify_start)
@@ -439,20 +453,38 @@ def ssd_decoding(
                 new_columns[torch.arange(len(active)), torch.tensor(accepted)] = torch.tensor(bonus)
                 for i, r in enumerate(active):
                     new_tokens = new_columns[i, : accepted[i] + 1]
-                    history = tuple(row_scores[r])
-                    row_ids[r], count, done[r] = _emit(
-                        row_ids[r], new_tokens, stopping_criteria,
-                        lambda n: history + tuple(scores[i, :n, None]) if want_scores else None,  # noqa: B023
-                    )
+                    if limit is not None:
+                        new_tokens = new_tokens[: limit - len(generated[r])]
+                    count = new_tokens.shape[0]
+                    if fired_at[r] is None:
+                        history = tuple(row_scores[r])
+                        _, first_stop, fired = _emit(
+                            row_ids[r], new_tokens, stopping_criteria,
+                            lambda n: history + tuple(scores[i, :n, None]) if want_scores else None,  # noqa: B023
+                        )
+                        if fired:
+                            fired_at[r] = len(generated[r]) + first_stop
+                            if pads_finished or batch == 1:
+                                count, done[r] = first_stop, True
+                    row_ids[r] = torch.cat([row_ids[r], new_tokens[:count]])
                     emitted.append(count)
                     generated[r].extend(new_tokens[:count].tolist())
                     if want_scores:
                         row_scores[r].extend(scores[i, :count, None])
                     if want_logits:
                         row_logits[r].extend(raw[i, :count, None])
-                    recorder.record_round(
-                        speculations[i].source, accepted[i], verified, count,
-                    )
+                    recorder.record_round(speculations[i].source, accepted[i], verified, count)
+                    if limit is not None and len(generated[r]) >= limit:
+                        done[r] = True
+                if limit is None and not pads_finished and all(f is not None for f in fired_at):
+                    # Without an EOS criterion, plain decoding keeps every row going (real tokens) until the last
+                    # row's criteria fire: that step is everybody's length.
+                    limit = max(fired_at)
+                    for r in range(batch):
+                        for kept in (generated[r], row_scores[r], row_logits[r]):
+                            del kept[limit:]
+                        row_ids[r] = row_ids[r][: input_ids.shape[1] + limit]
+                        done[r] = done[r] or len(generated[r]) >= limit
                 stream.flush(generated, done)
 
                 keep_rows = [i for i, r in enumerate(active) if not done[r]]
@@ -493,6 +525,7 @@ def ssd_decoding(
             stream.flush(generated, done, final=True)
             streamer.end()
 
+    recorder.generated = sum(len(g) for g in generated)
     metrics = recorder.finish(
         draft_seconds=runtime.busy_seconds,
         wall_seconds=time.perf_counter() - start,
