@@ -16,10 +16,12 @@ class SSDMetrics:
     `tokens_per_round_by_source` splits tokens per row-round by where the speculation came from ("cache" = hit,
     else the backup). `backup_decision` holds the last `backup="auto"` decision and its inputs (Corollary 16:
     p_hit, E_hit, E_miss, T_p, T_b in units of one verification, the critical batch size, the batch size, the
-    choice). `peak_target_kv_bytes` / `peak_draft_kv_bytes` are the largest KV sizes seen after a round. Times are
-    wall-clock seconds: `target_wait_seconds` is how long the target sat idle waiting for the draft (with
-    `executor="sync"` that is all the draft's work). `hits_by_fanout[F]` and `hits_by_position[k]` are `[hits,
-    lookups]` by the number of branches prepared at the outcome's fork and by the outcome's accepted length k.
+    choice). `peak_target_kv_bytes` / `peak_draft_kv_bytes` are the largest KV sizes seen after a round;
+    `realign_seconds` / `draft_compact_seconds` the time spent realigning the target's rows (crop or gather) and
+    compacting the draft cache. Times are wall-clock seconds: `target_wait_seconds` is how long the target sat idle
+    waiting for the draft (with `executor="sync"` that is all the draft's work). `hits_by_fanout[F]` and
+    `hits_by_position[k]` are `[hits, lookups]` by the number of branches prepared at the outcome's fork and by the
+    outcome's accepted length k.
     """
 
     rounds: int = 0
@@ -39,6 +41,8 @@ class SSDMetrics:
     backup_decision: dict[str, Any] = field(default_factory=dict)
     peak_target_kv_bytes: int = 0
     peak_draft_kv_bytes: int = 0
+    realign_seconds: float = 0.0
+    draft_compact_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_wait_seconds: float = 0.0
@@ -82,6 +86,7 @@ class MetricsRecorder:
         self.batch_rounds = 0
         self.peak_target = 0
         self.peak_draft = 0
+        self.realign_seconds = 0.0
 
     def record_verify(self, seconds: float) -> None:
         """One verification (of the whole batch)."""
@@ -142,6 +147,7 @@ class MetricsRecorder:
             rounds_by_source={k: v[1] for k, v in sorted(self.by_source.items())},
             peak_target_kv_bytes=self.peak_target,
             peak_draft_kv_bytes=self.peak_draft,
+            realign_seconds=self.realign_seconds,
             verify_seconds=self.verify_seconds,
             target_wait_seconds=self.wait_seconds,
             lookahead=self.lookahead,

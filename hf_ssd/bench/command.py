@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="output folder (default ./bench-results/<timestamp>)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--batch-sizes", metavar="B1,B2,...",
+                        help="instead of the batch-1 comparison: sweep these batch sizes (plain batched decoding, "
+                        "batch-1 assisted generation, SSD with each backup) and plot throughput against latency")
+    parser.add_argument("--sweep-backups", default="draft,ngram,random,auto",
+                        help="SSD backups in the batch sweep (default: all)")
     parser.add_argument("--render", metavar="DIR", help="measure nothing: re-derive results.md, the plots and "
                         "results.json from DIR/results.json (an earlier run)")
 
@@ -115,12 +120,45 @@ def print_report(results: Mapping[str, Any], out: Path | None = None) -> None:
               + "".join(f", {out / p}" for p in results.get("plots", [])))
 
 
+def run_sweep(args: argparse.Namespace) -> int:
+    """`hf-ssd bench --batch-sizes ...`: the batch sweep (see `batch_sweep`)."""
+    from .batch_sweep import BACKUPS, batch_sweep, sweep_table, write_sweep
+
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        message = f"--batch-sizes takes comma-separated integers, e.g. 1,2,4,8; got {args.batch_sizes!r}"
+        raise SystemExit(message) from None
+    backups = [b.strip() for b in args.sweep_backups.split(",") if b.strip()]
+    if not sizes or min(sizes) < 1 or any(b not in BACKUPS for b in backups):
+        raise SystemExit(f"--batch-sizes needs integers >= 1 and --sweep-backups a subset of {', '.join(BACKUPS)}")
+    if args.temperature > 0:
+        raise SystemExit("the batch sweep measures greedy decoding (identical outputs checked); drop --temperature")
+    prompt_sets = load_prompt_sets(args.prompts, max(sizes), args.prompts_dir)
+    prompts = [p for s in prompt_sets for p in s.prompts][: max(sizes)]
+    out = Path(args.out) if args.out else Path("bench-results") / _dt.datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+    target, draft, tokenizer, info = load_models(args.target, args.draft, args.target_precision,
+                                                 args.draft_precision)
+    tokenizer.padding_side = "left"
+    results = batch_sweep(target, draft, tokenizer, prompts, sizes, lookahead=args.lookahead, budget=args.budget,
+                          max_new_tokens=args.max_new_tokens, draft_threads=args.draft_threads,
+                          target_threads=args.target_threads, backups=backups,
+                          log=lambda line: print(line, file=sys.stderr, flush=True))
+    results.update(info, command=sys.argv, prompts=[s.name for s in prompt_sets])
+    paths = write_sweep(results, out, plots=not args.no_plots)
+    print(sweep_table(results))
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def run_command(args: argparse.Namespace) -> int:
     """`hf-ssd bench`."""
     if args.render:
         results = render(args.render, plots=not args.no_plots)
         print_report(results, Path(args.render))
         return 0
+    if args.batch_sizes:
+        return run_sweep(args)
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens, lookahead=args.lookahead, budget=args.budget,
         temperature=args.temperature, repeats=args.repeats,

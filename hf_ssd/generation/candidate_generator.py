@@ -113,6 +113,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.backup_calls = 0
         self.prepare_seconds = 0.0  # wall time of glue + fork + tree (T_p)
         self.prepare_calls = 0
+        self.compact_seconds = 0.0  # wall time of the per-round draft-cache compaction in `resolve`
         self._round = 0
         self._base_seed = self.generator.initial_seed()
         self._last_accepted: int | None = None
@@ -327,9 +328,11 @@ class SaguaroCandidateGenerator(CandidateGenerator):
                 keep[r, found.slots] = True
             found_by_row.append(found)
             candidates_by_row.append(candidates)
+        compact_start = time.perf_counter()
         selected = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         index, valid = compact(keep[selected])
         self.cache.keep(index, valid, None if len(keep_rows) == rows else selected)
+        self.compact_seconds += time.perf_counter() - compact_start
         for r in keep_rows:
             acc, bonus = outcomes[r]
             self.contexts[r].extend(self.speculations[r].tokens[:acc].tolist())

@@ -492,6 +492,7 @@ def ssd_decoding(
                 model_kwargs = _extend_row_inputs(extended, layout_ids.shape[1] + verified + 1)  # room for the bonus
                 model_kwargs[cache_key] = cache
                 width = layout_ids.shape[1]
+                realign_start = time.perf_counter()
                 if len(keep_rows) == len(active) and len(set(emitted)) == 1:
                     # Every row kept the same count: a plain crop (the only path at batch 1).
                     cache.crop(-(verified + 1 - emitted[0]))
@@ -504,6 +505,7 @@ def ssd_decoding(
                     lengths = [width + e for e in emitted]
                     committed = torch.cat([layout_ids, new_columns], dim=1)
                     layout_ids = _realign_target(cache, model_kwargs, committed, keep_rows, lengths)
+                recorder.realign_seconds += time.perf_counter() - realign_start
                 recorder.record_memory(_kv_bytes(cache), drafter.cache.memory_bytes())
                 first = False
                 active = [active[i] for i in keep_rows]
@@ -534,6 +536,7 @@ def ssd_decoding(
         power_law_estimate=estimator.power(),
         hits_by_fanout={f: list(v) for f, v in sorted(estimator.hits_by_f.items())},
         tree_steps_skipped=drafter.skipped_tree_steps,
+        draft_compact_seconds=drafter.compact_seconds,
         branches=config.branches,
         backup=drafter.backup if config.backup != "auto" or not auto.decision else "auto",
         backup_decision=dict(auto.decision),

@@ -1,0 +1,204 @@
+"""`hf-ssd bench --batch-sizes 1,2,4,8`: throughput against per-token latency across batch sizes.
+
+Methods, measured side by side on the same prompts in one run:
+- `plain`: transformers' batched decoding of b left-padded prompts;
+- `assisted`: transformers' assisted generation (batch 1 only: the prompts one after another; one point);
+- `ssd-<backup>`: SSD on the batch, with each backup ("auto" decides by Corollary 16 as it goes).
+Throughput = generated tokens (up to each row's EOS) / wall seconds; per-token latency = wall seconds / the
+longest row's new tokens (what a user of one row waits per token). Plain and assisted get the SSD draft's and
+target's threads together (equal cores). Greedy outputs are compared with plain decoding of the same batch.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BACKUPS = ("draft", "ngram", "random", "auto")
+
+
+def left_pad(rows: Sequence, pad_id: int):
+    """(ids [b, T], attention mask [b, T]) of 1D token tensors, left-padded with `pad_id`."""
+    import torch
+
+    width = max(int(r.shape[0]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - row.shape[0]:] = row
+        mask[i, width - row.shape[0]:] = 1
+    return ids, mask
+
+
+def _new_tokens(sequences, prompt_width: int, eos: set[int]) -> list[list[int]]:
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def _timed(threads: int, fn: Callable[..., Any], *args, **kwargs):
+    """(fn(*args, **kwargs), wall seconds) with `threads` intra-op threads."""
+    import torch
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        gc.collect()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = fn(*args, **kwargs)
+        return out, time.perf_counter() - start
+    finally:
+        torch.set_num_threads(saved)
+
+
+def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: Sequence[int], *, lookahead: int,
+                budget: int, max_new_tokens: int, draft_threads: int = 1, target_threads: int = 1,
+                backups: Sequence[str] = BACKUPS, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every method at every batch size; returns the JSON-ready results (see the module docstring)."""
+    import torch
+
+    from ..config import SSDConfig
+    from .prompts import encode_prompt
+
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes must be >= 1; got {list(batch_sizes)}")
+    if len(prompts) < max(batch_sizes):
+        raise ValueError(f"--batch-sizes up to {max(batch_sizes)} needs as many prompts; got {len(prompts)}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    encoded = [encode_prompt(tokenizer, text)[0] for text in prompts]
+    common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+    equal_cores = draft_threads + target_threads
+    results: dict[str, Any] = {"batch_sizes": list(batch_sizes), "lookahead": lookahead, "budget": budget,
+                               "max_new_tokens": max_new_tokens, "draft_threads": draft_threads,
+                               "target_threads": target_threads, "points": []}
+
+    def ssd(backup: str) -> SSDConfig:
+        return SSDConfig(lookahead=lookahead, fanout_budget=budget, backup=backup, executor="thread",
+                         draft_threads=draft_threads, target_threads=target_threads)
+
+    # warm-up: one short call of each code path
+    ids, mask = left_pad(encoded[:2], pad_id)
+    with torch.no_grad():
+        target.generate(ids, attention_mask=mask, **{**common, "max_new_tokens": 4})
+        target.generate(ids, attention_mask=mask, assistant_model=draft, ssd_config=ssd("draft"),
+                        **{**common, "max_new_tokens": 4})
+
+    def point(method: str, b: int, seconds: float, rows: list[list[int]], latency_ms: float, **extra) -> dict:
+        tokens = sum(len(r) for r in rows)
+        entry = {"method": method, "batch_size": b, "seconds": seconds, "tokens": tokens,
+                 "throughput": tokens / seconds, "latency_ms": latency_ms, **extra}
+        results["points"].append(entry)
+        log(f"b={b:<2} {method:<12} {entry['throughput']:6.2f} tok/s  {entry['latency_ms']:7.1f} ms/token"
+            + (f"  identical {extra['identical']:.2f}" if "identical" in extra else "")
+            + (f"  hit {extra['hit_rate']:.2f}" if "hit_rate" in extra else ""))
+        return entry
+
+    # batch-1 assisted generation: the prompts of the largest batch, one after another
+    config = draft.generation_config
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = lookahead, "constant"
+    config.assistant_confidence_threshold = 0.0
+    assisted_rows, assisted_seconds, per_row_latency = [], 0.0, []
+    for row in encoded[: max(batch_sizes)]:
+        out, seconds = _timed(equal_cores, target.generate, row[None], attention_mask=torch.ones_like(row[None]),
+                              assistant_model=draft, **common)
+        new = _new_tokens(out, row.shape[0], eos_ids)[0]
+        assisted_rows.append(new)
+        assisted_seconds += seconds
+        per_row_latency.append(seconds / max(len(new), 1))
+    point("assisted", 1, assisted_seconds, assisted_rows, 1000 * sum(per_row_latency) / len(per_row_latency))
+
+    for b in batch_sizes:
+        ids, mask = left_pad(encoded[:b], pad_id)
+        width = ids.shape[1]
+        plain, seconds = _timed(equal_cores, target.generate, ids, attention_mask=mask, **common)
+        reference = _new_tokens(plain, width, eos_ids)
+        point("plain", b, seconds, reference, 1000 * seconds / max(max(len(r) for r in reference), 1))
+        for backup in backups:
+            out, seconds = _timed(target_threads, target.generate, ids, attention_mask=mask, assistant_model=draft,
+                                  ssd_config=ssd(backup), **common)
+            rows = _new_tokens(out, width, eos_ids)
+            m = target.ssd_metrics
+            identical = sum(r == e for r, e in zip(rows, reference)) / b
+            longest = max(max(len(r) for r in rows), 1)
+            point(f"ssd-{backup}", b, seconds, rows, 1000 * seconds / longest, identical=identical,
+                  hit_rate=m.cache_hit_rate, mean_accepted_length=m.mean_accepted_length,
+                  rounds_by_source=m.rounds_by_source, backup_decision=m.backup_decision,
+                  peak_target_kv_bytes=m.peak_target_kv_bytes, peak_draft_kv_bytes=m.peak_draft_kv_bytes,
+                  kv_bytes_per_token=(m.peak_target_kv_bytes + m.peak_draft_kv_bytes)
+                  / (b * (width + longest)),
+                  realign_seconds=m.realign_seconds, draft_compact_seconds=m.draft_compact_seconds,
+                  verify_seconds=m.verify_seconds, target_wait_seconds=m.target_wait_seconds)
+    return results
+
+
+def _cell(point: dict[str, Any], key: str, spec: str) -> str:
+    return format(point[key], spec) if key in point else ""
+
+
+def sweep_table(results: dict[str, Any]) -> str:
+    """Markdown: one row per (batch size, method) with throughput, latency and ratios to plain / assisted."""
+    points = results["points"]
+    assisted = next((p for p in points if p["method"] == "assisted"), None)
+    plain = {p["batch_size"]: p for p in points if p["method"] == "plain"}
+    lines = ["| b | method | tok/s | ms/token | × plain | × assisted | identical | hit rate | accepted/round "
+             "| realign+compact % | KV bytes/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        base = plain.get(p["batch_size"])
+        x_plain = f"{p['throughput'] / base['throughput']:.2f}" if base and p is not base else ""
+        x_assisted = f"{p['throughput'] / assisted['throughput']:.2f}" if assisted and p is not assisted else ""
+        overhead = ""
+        if "realign_seconds" in p:
+            overhead = f"{100 * (p['realign_seconds'] + p['draft_compact_seconds']) / p['seconds']:.1f}"
+        lines.append(
+            f"| {p['batch_size']} | {p['method']} | {p['throughput']:.2f} | {p['latency_ms']:.0f} | {x_plain} | "
+            f"{x_assisted} | {_cell(p, 'identical', '.2f')} | {_cell(p, 'hit_rate', '.2f')} | "
+            f"{_cell(p, 'mean_accepted_length', '.2f')} | {overhead} | {_cell(p, 'kv_bytes_per_token', '.0f')} |")
+    return "\n".join(lines)
+
+
+def plot_pareto(results: dict[str, Any], path: Path) -> Path:
+    """Throughput (tok/s) against per-token latency (ms/token), one line per method through the batch sizes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    methods = list(dict.fromkeys(p["method"] for p in results["points"]))
+    for method in methods:
+        pts = sorted((p for p in results["points"] if p["method"] == method), key=lambda p: p["batch_size"])
+        xs, ys = [p["latency_ms"] for p in pts], [p["throughput"] for p in pts]
+        ax.plot(xs, ys, marker="o" if method != "assisted" else "*", markersize=6 if method != "assisted" else 12,
+                label=method)
+        for p in pts:
+            ax.annotate(f"b={p['batch_size']}", (p["latency_ms"], p["throughput"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("per-token latency (ms / token, lower is better)")
+    ax.set_ylabel("throughput (tokens / s, higher is better)")
+    ax.set_title(f"Throughput vs latency, K={results['lookahead']}, B={results['budget']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_sweep(results: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "batch_sweep.json", out / "batch_sweep.md"]
+    paths[0].write_text(json.dumps(results, indent=1, default=str))
+    paths[1].write_text("# Batch sweep\n\n" + sweep_table(results) + "\n")
+    if plots:
+        paths.append(plot_pareto(results, out / "pareto.png"))
+    return paths
