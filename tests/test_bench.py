@@ -261,3 +261,32 @@ def test_cli_bench_validates_before_loading_models(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown methods"):
         main(["bench", "--methods", "ar,beam", "--out", str(tmp_path / "o")])
     assert isinstance(MethodSpec("ar@1", "ar", 1).thread_label, str)
+
+
+def test_batch_sweep_end_to_end(tmp_path):
+    from hf_ssd.bench.batch_sweep import batch_sweep, sweep_table, write_sweep
+
+    target, draft = tiny_pair("llama", seed=2)
+    tokenizer = word_tokenizer()
+    tokenizer.padding_side = "left"
+    results = batch_sweep(target, draft, tokenizer, TEXTS, [1, 2], lookahead=3, budget=4, max_new_tokens=6,
+                          backups=("draft", "ngram"), log=lambda _: None)
+    methods = [(p["method"], p["batch_size"]) for p in results["points"]]
+    assert methods == [("assisted", 1), ("plain", 1), ("ssd-draft", 1), ("ssd-ngram", 1), ("plain", 2),
+                       ("ssd-draft", 2), ("ssd-ngram", 2)]
+    for p in results["points"]:
+        assert p["tokens"] == 6 * (p["batch_size"] if p["method"] != "assisted" else 2)
+        assert p["e2e_throughput"] == pytest.approx(p["tokens"] / p["seconds"])
+        assert p["throughput"] == pytest.approx(p["decode_tokens"] / p["decode_s"]) and p["latency_ms"] > 0
+        assert 0 < p["decode_tokens"] < p["tokens"] and 0 < p["first_s"] < p["seconds"]
+        if p["method"].startswith("ssd"):
+            assert p["identical"] == 1.0 and p["kv_bytes_per_token"] > 0 and p["realign_seconds"] >= 0
+    table = sweep_table(results)
+    assert table.count("\n") == 1 + len(results["points"]) and "| 2 | ssd-ngram |" in table
+    paths = write_sweep(results, tmp_path)
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    assert json.loads((tmp_path / "batch_sweep.json").read_text())["batch_sizes"] == [1, 2]
+    with pytest.raises(ValueError, match="as many prompts"):
+        batch_sweep(target, draft, tokenizer, TEXTS, [4], lookahead=3, budget=4, max_new_tokens=2)
+    with pytest.raises(SystemExit, match="batch-sizes"):
+        main(["bench", "--batch-sizes", "1,x", "--out", str(tmp_path / "o")])

@@ -4,8 +4,11 @@ Methods, measured side by side on the same prompts in one run:
 - `plain`: transformers' batched decoding of b left-padded prompts;
 - `assisted`: transformers' assisted generation (batch 1 only: the prompts one after another; one point);
 - `ssd-<backup>`: SSD on the batch, with each backup ("auto" decides by Corollary 16 as it goes).
-Throughput = generated tokens (up to each row's EOS) / wall seconds; per-token latency = wall seconds / the
-longest row's new tokens (what a user of one row waits per token). Plain and assisted get the SSD draft's and
+Decode figures exclude the prefill, as the paper's and `hf-ssd bench`'s do: a streamer timestamps every column a
+method emits, and everything up to the first emission (prefill, the first round) is left out. Decode throughput
+= tokens generated after the first emission (up to each row's EOS) / the seconds after it; per-token latency =
+those seconds / the longest row's tokens after it (what a user of one row waits per token). End-to-end
+throughput (prefill included) is reported too. Plain and assisted get the SSD draft's and
 target's threads together (equal cores). Greedy outputs are compared with plain decoding of the same batch.
 """
 
@@ -42,20 +45,63 @@ def _new_tokens(sequences, prompt_width: int, eos: set[int]) -> list[list[int]]:
     return rows
 
 
+class EmissionClock:
+    """A streamer that timestamps what `generate()` emits after the prompt. Plain decoding puts one column per
+    step; SSD puts each round's columns as one block (`accepts_blocks`); at batch 1 every put is one emission."""
+
+    accepts_blocks = True
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.prompt_seen = False
+        self.times: list[float] = []
+        self.widths: list[int] = []
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        if value.dim() == 2:  # an SSD block [b, n]
+            self.widths.append(int(value.shape[-1]))
+        else:  # batch 1: [n] tokens; plain decoding at batch > 1: one [b] column
+            self.widths.append(int(value.shape[0]) if self.batch == 1 else 1)
+
+    def end(self) -> None:
+        pass
+
+    def first_emission(self) -> tuple[float | None, int]:
+        """(time of the first emission, columns it delivered per row)."""
+        return (self.times[0], self.widths[0]) if self.times else (None, 0)
+
+
 def _timed(threads: int, fn: Callable[..., Any], *args, **kwargs):
-    """(fn(*args, **kwargs), wall seconds) with `threads` intra-op threads."""
+    """(fn(*args, streamer=clock, **kwargs), start, end, clock) with `threads` intra-op threads."""
     import torch
 
     saved = torch.get_num_threads()
+    clock = EmissionClock(int(args[0].shape[0]))
     try:
         torch.set_num_threads(threads)
         gc.collect()
         start = time.perf_counter()
         with torch.no_grad():
-            out = fn(*args, **kwargs)
-        return out, time.perf_counter() - start
+            out = fn(*args, streamer=clock, **kwargs)
+        return out, start, time.perf_counter(), clock
     finally:
         torch.set_num_threads(saved)
+
+
+def _figures(rows: list[list[int]], start: float, end: float, clock: EmissionClock) -> dict[str, float]:
+    """Decode and end-to-end figures of one call (see the module docstring)."""
+    first, columns = clock.first_emission()
+    first = end if first is None else first
+    tokens = sum(len(r) for r in rows)
+    decode_tokens = sum(max(len(r) - columns, 0) for r in rows)
+    decode_steps = max(len(r) for r in rows) - columns
+    decode_s = max(end - first, 1e-9)
+    return {"seconds": end - start, "tokens": tokens, "first_s": first - start, "decode_tokens": decode_tokens,
+            "decode_s": decode_s, "decode_steps": decode_steps, "e2e_throughput": tokens / (end - start)}
 
 
 def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: Sequence[int], *, lookahead: int,
@@ -92,12 +138,13 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
         target.generate(ids, attention_mask=mask, assistant_model=draft, ssd_config=ssd("draft"),
                         **{**common, "max_new_tokens": 4})
 
-    def point(method: str, b: int, seconds: float, rows: list[list[int]], latency_ms: float, **extra) -> dict:
-        tokens = sum(len(r) for r in rows)
-        entry = {"method": method, "batch_size": b, "seconds": seconds, "tokens": tokens,
-                 "throughput": tokens / seconds, "latency_ms": latency_ms, **extra}
+    def point(method: str, b: int, figures: dict[str, float], **extra) -> dict:
+        entry = {"method": method, "batch_size": b, **figures,
+                 "throughput": figures["decode_tokens"] / figures["decode_s"],
+                 "latency_ms": 1000 * figures["decode_s"] / max(figures["decode_steps"], 1), **extra}
         results["points"].append(entry)
         log(f"b={b:<2} {method:<12} {entry['throughput']:6.2f} tok/s  {entry['latency_ms']:7.1f} ms/token"
+            f"  (e2e {entry['e2e_throughput']:.2f} tok/s)"
             + (f"  identical {extra['identical']:.2f}" if "identical" in extra else "")
             + (f"  hit {extra['hit_rate']:.2f}" if "hit_rate" in extra else ""))
         return entry
@@ -106,30 +153,31 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
     config = draft.generation_config
     config.num_assistant_tokens, config.num_assistant_tokens_schedule = lookahead, "constant"
     config.assistant_confidence_threshold = 0.0
-    assisted_rows, assisted_seconds, per_row_latency = [], 0.0, []
+    totals = {"seconds": 0.0, "tokens": 0, "first_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
+              "decode_steps": 0}
     for row in encoded[: max(batch_sizes)]:
-        out, seconds = _timed(equal_cores, target.generate, row[None], attention_mask=torch.ones_like(row[None]),
-                              assistant_model=draft, **common)
-        new = _new_tokens(out, row.shape[0], eos_ids)[0]
-        assisted_rows.append(new)
-        assisted_seconds += seconds
-        per_row_latency.append(seconds / max(len(new), 1))
-    point("assisted", 1, assisted_seconds, assisted_rows, 1000 * sum(per_row_latency) / len(per_row_latency))
+        out, start, end, clock = _timed(equal_cores, target.generate, row[None],
+                                        attention_mask=torch.ones_like(row[None]), assistant_model=draft, **common)
+        figures = _figures(_new_tokens(out, row.shape[0], eos_ids), start, end, clock)
+        for key in totals:
+            totals[key] += figures[key]
+    totals["e2e_throughput"] = totals["tokens"] / totals["seconds"]
+    point("assisted", 1, totals)  # latency: decode seconds over decode steps of the prompts, one after another
 
     for b in batch_sizes:
         ids, mask = left_pad(encoded[:b], pad_id)
         width = ids.shape[1]
-        plain, seconds = _timed(equal_cores, target.generate, ids, attention_mask=mask, **common)
+        plain, start, end, clock = _timed(equal_cores, target.generate, ids, attention_mask=mask, **common)
         reference = _new_tokens(plain, width, eos_ids)
-        point("plain", b, seconds, reference, 1000 * seconds / max(max(len(r) for r in reference), 1))
+        point("plain", b, _figures(reference, start, end, clock))
         for backup in backups:
-            out, seconds = _timed(target_threads, target.generate, ids, attention_mask=mask, assistant_model=draft,
-                                  ssd_config=ssd(backup), **common)
+            out, start, end, clock = _timed(target_threads, target.generate, ids, attention_mask=mask,
+                                            assistant_model=draft, ssd_config=ssd(backup), **common)
             rows = _new_tokens(out, width, eos_ids)
             m = target.ssd_metrics
             identical = sum(r == e for r, e in zip(rows, reference)) / b
             longest = max(max(len(r) for r in rows), 1)
-            point(f"ssd-{backup}", b, seconds, rows, 1000 * seconds / longest, identical=identical,
+            point(f"ssd-{backup}", b, _figures(rows, start, end, clock), identical=identical,
                   hit_rate=m.cache_hit_rate, mean_accepted_length=m.mean_accepted_length,
                   rounds_by_source=m.rounds_by_source, backup_decision=m.backup_decision,
                   peak_target_kv_bytes=m.peak_target_kv_bytes, peak_draft_kv_bytes=m.peak_draft_kv_bytes,
@@ -149,9 +197,9 @@ def sweep_table(results: dict[str, Any]) -> str:
     points = results["points"]
     assisted = next((p for p in points if p["method"] == "assisted"), None)
     plain = {p["batch_size"]: p for p in points if p["method"] == "plain"}
-    lines = ["| b | method | tok/s | ms/token | × plain | × assisted | identical | hit rate | accepted/round "
-             "| realign+compact % | KV bytes/token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| b | method | decode tok/s | ms/token | × plain | × assisted | e2e tok/s | identical | hit rate "
+             "| accepted/round | realign+compact % | KV bytes/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         base = plain.get(p["batch_size"])
         x_plain = f"{p['throughput'] / base['throughput']:.2f}" if base and p is not base else ""
@@ -161,13 +209,15 @@ def sweep_table(results: dict[str, Any]) -> str:
             overhead = f"{100 * (p['realign_seconds'] + p['draft_compact_seconds']) / p['seconds']:.1f}"
         lines.append(
             f"| {p['batch_size']} | {p['method']} | {p['throughput']:.2f} | {p['latency_ms']:.0f} | {x_plain} | "
-            f"{x_assisted} | {_cell(p, 'identical', '.2f')} | {_cell(p, 'hit_rate', '.2f')} | "
+            f"{x_assisted} | {p['e2e_throughput']:.2f} | {_cell(p, 'identical', '.2f')} | "
+            f"{_cell(p, 'hit_rate', '.2f')} | "
             f"{_cell(p, 'mean_accepted_length', '.2f')} | {overhead} | {_cell(p, 'kv_bytes_per_token', '.0f')} |")
     return "\n".join(lines)
 
 
 def plot_pareto(results: dict[str, Any], path: Path) -> Path:
-    """Throughput (tok/s) against per-token latency (ms/token), one line per method through the batch sizes."""
+    """Decode throughput (tok/s) against per-token latency (ms/token), one line per method through the batch
+    sizes."""
     import matplotlib
 
     matplotlib.use("Agg")

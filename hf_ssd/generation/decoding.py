@@ -296,7 +296,8 @@ def _check_realignable(cache) -> None:
 
 class _BatchStreamer:
     """Feeds a streamer one column per decoding step, like plain decoding: column n goes out once every row has
-    its n-th token (finished rows contribute the pad token)."""
+    its n-th token (finished rows contribute the pad token). A streamer with `accepts_blocks = True` gets each
+    emission's columns as one [b, n] block instead (benchmarks timestamp emissions that way)."""
 
     def __init__(self, streamer, rows: int, pad: int | None):
         self.streamer, self.rows, self.pad, self.sent = streamer, rows, pad, 0
@@ -315,6 +316,8 @@ class _BatchStreamer:
             ]
             if self.rows == 1:
                 self.streamer.put(torch.tensor([c[0] for c in columns]))
+            elif getattr(self.streamer, "accepts_blocks", False):
+                self.streamer.put(torch.tensor(columns).T)
             else:
                 for column in columns:
                     self.streamer.put(torch.tensor(column))
