@@ -39,7 +39,8 @@ test: setup
 # Core paths again under transformers 5.23 (`past_key_values` naming).
 test-compat: $(COMPAT_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(COMPAT_VENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider \
-		tests/test_greedy_equivalence.py tests/test_tree_attention.py tests/test_api.py tests/test_stopping_streaming.py
+		tests/test_greedy_equivalence.py tests/test_tree_attention.py tests/test_api.py tests/test_stopping_streaming.py \
+		tests/test_batch.py
 
 lint: setup
 	$(VENV)/bin/ruff check hf_ssd tests benchmarks

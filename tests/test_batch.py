@@ -209,6 +209,19 @@ def test_streamer_gets_one_column_per_step():
     assert torch.equal(columns, out[:, ids.shape[1]:])
 
 
+def test_block_streamer_gets_each_rounds_columns_at_once():
+    target, draft = _pair("llama")
+    ids, mask, _ = _batch([4, 9], seed=2)
+    streamer = Collect()
+    streamer.accepts_blocks = True
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          assistant_model=target, ssd_config=SSDConfig(lookahead=3), streamer=streamer)
+    blocks = streamer.puts[1:]
+    assert all(b.dim() == 2 and b.shape[0] == 2 for b in blocks)
+    assert max(b.shape[1] for b in blocks) > 1  # a self-draft accepts several tokens per round
+    assert torch.equal(torch.cat(blocks, dim=1), out[:, ids.shape[1]:])
+
+
 def test_pipeline_batch_size():
     from test_pipeline import TEXTS, word_tokenizer
     from transformers import pipeline

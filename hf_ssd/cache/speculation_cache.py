@@ -14,9 +14,9 @@ class Speculation:
     `probs` is None under greedy decoding (q is one-hot and verification only compares tokens).
     `source` is "cache" for a prepared branch, else the backup's name ("draft", "ngram", "random").
     `row_top` [K, W], when set, holds the top-W draft tokens after [t_prev, s_1..s_j] for j < K, and means the
-    draft cache already holds the KV of [t_prev, s_1..s_{K-1}] right after the committed prefix: the next glue
-    forward then only has to run s_K.
-    `slots` [K], for a cached branch, are the draft-cache slots where the tree wrote that KV.
+    draft cache already holds the KV of [t_prev, s_1..s_{K-1}] on the row's main path: the next glue forward
+    then only has to run s_K.
+    `slots` [K], for a cached branch, are the draft-cache slots (in every row) where the tree wrote that KV.
     """
 
     tokens: torch.Tensor  # [K] long

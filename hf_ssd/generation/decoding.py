@@ -9,6 +9,7 @@ right edge after every round (`cache/alignment.py`), and finished rows leave the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -430,7 +431,10 @@ def ssd_decoding(
     try:
         with runtime:
             waited = time.perf_counter()
-            speculations = runtime.submit(drafter.begin, input_ids, model_kwargs.get("attention_mask")).result()
+            # The prefills run while the other side waits: each gets every core.
+            speculations = runtime.submit(
+                runtime.on_all_cores(drafter.begin), input_ids, model_kwargs.get("attention_mask")
+            ).result()
             recorder.wait_seconds += time.perf_counter() - waited
             while active:
                 waited = time.perf_counter()
@@ -443,7 +447,8 @@ def ssd_decoding(
                 verified = max(0, min(lookahead, generation_config.max_length - longest - 1))
                 tokens = torch.stack([s.tokens[:verified] for s in speculations]).to(input_ids.device)
                 verify_start = time.perf_counter()
-                outputs, extended, raw = _target_scores(model, layout_ids, tokens, model_kwargs, first)
+                with runtime.all_cores() if first else contextlib.nullcontext():
+                    outputs, extended, raw = _target_scores(model, layout_ids, tokens, model_kwargs, first)
                 if first and not getattr(output_cache(outputs), "is_croppable", True):
                     raise ValueError("SSD needs a target cache that can be cropped after verification.")
                 scores = _process(logits_processor, row_ids, active, tokens, raw)
@@ -541,7 +546,7 @@ def ssd_decoding(
         tree_steps_skipped=drafter.skipped_tree_steps,
         draft_compact_seconds=drafter.compact_seconds,
         branches=config.branches,
-        backup=drafter.backup if config.backup != "auto" or not auto.decision else "auto",
+        backup=config.backup,  # "auto": see backup_decision and rounds_by_source for what ran
         backup_decision=dict(auto.decision),
         batch_size=batch,
         executor=executor,

@@ -6,6 +6,7 @@ while SSD runs, device synchronisation of the worker's results, cancellation and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -85,6 +86,28 @@ class DraftRuntime:
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
             self._saved_threads = None
+
+    @contextlib.contextmanager
+    def all_cores(self):
+        """While the other side is idle or nearly so (the prefill), let the calling thread use every core this
+        generation was given (draft + target threads); restores its own count after."""
+        if self.kind != "thread" or self._saved_threads is None:
+            yield
+            return
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.draft_threads + self.target_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(saved)
+
+    def on_all_cores(self, fn):
+        """`fn` wrapped to run under `all_cores()` (for draft work submitted while the target waits)."""
+        def wrapped(*args):
+            with self.all_cores():
+                return fn(*args)
+
+        return wrapped
 
     def check(self) -> None:
         """Called by draft work between forwards: abandon the task once the generation has ended."""
