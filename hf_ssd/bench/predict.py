@@ -41,7 +41,7 @@ def measure_latencies(target, draft, input_ids, lookahead: int, budget: int, thr
     from ..compat import cache_kwarg
     from ..config import SSDConfig
     from ..generation.candidate_generator import SaguaroCandidateGenerator
-    from ..generation.decoding import _vocab_size
+    from ..generation.checks import model_vocab_size as _vocab_size
     from ..generation.fanout import FanoutEstimator
 
     def forward_cost(model, n: int) -> float:

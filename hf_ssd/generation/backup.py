@@ -1,7 +1,8 @@
-"""Fast backup speculators used on a cache miss (pure functions); the draft-model backup lives in the drafter.
+"""Backups on a cache miss: the fast speculators (pure functions; the draft-model backup lives in the drafter) and
+the choice between them for `backup="auto"` (Corollary 16).
 
-Each returns K tokens and, when sampling, the distribution q each token was drawn from, so verification stays
-exact: n-gram tokens are deterministic (q one-hot), random tokens are uniform (q = 1/V).
+Each fast backup returns K tokens and, when sampling, the distribution q each token was drawn from, so
+verification stays exact: n-gram tokens are deterministic (q one-hot), random tokens are uniform (q = 1/V).
 """
 
 from __future__ import annotations
@@ -76,3 +77,39 @@ def choose_backup(
     p = min(max(p_hit, 0.0), 1.0)
     critical = critical_batch_size(p, E_hit, E_miss, T_p, T_b, E_miss_fast=E_miss_fast, T_b_fast=0.0, max_batch=4096)
     return (FAST_BACKUP if critical is not None and batch_size >= critical else "draft"), critical
+
+
+class AutoBackup:
+    """`backup="auto"`: re-decides before every lookup by Corollary 16 from the run's measurements (a
+    `MetricsRecorder` and the drafter's timings), for the current number of rows."""
+
+    def __init__(self, enabled: bool, default: str):
+        self.enabled = enabled
+        self.choice = default
+        self.decision: dict = {}
+        self.by_batch_size: dict[int, str] = {}  # the last choice made at each number of active rows
+
+    def decide(self, recorder, drafter, rows: int) -> str:
+        if not self.enabled:
+            return self.choice
+        verify = recorder.verify_seconds / max(recorder.batch_rounds, 1)
+        if drafter.backup_calls == 0 or recorder.lookups == 0 or verify <= 0:
+            return self.choice  # nothing measured yet: the just-in-time draft (best at batch 1)
+        e_hit = recorder.tokens_per_round("cache")
+        e_miss = recorder.tokens_per_round("draft")
+        t_p = drafter.prepare_seconds / max(drafter.prepare_calls, 1) / verify
+        t_b = drafter.backup_seconds / drafter.backup_calls / verify
+        p_hit = recorder.hits / recorder.lookups
+        fast_tokens = recorder.tokens_per_round(FAST_BACKUP) or 1.0
+        if e_hit <= 0:
+            e_hit = 1.0
+        if e_miss <= 0:
+            e_miss = 1.0
+        self.choice, critical = choose_backup(p_hit, e_hit, e_miss, t_p, t_b, rows, E_miss_fast=fast_tokens)
+        self.by_batch_size[rows] = self.choice
+        self.decision = {
+            "choice": self.choice, "batch_size": rows, "critical_batch_size": critical, "p_hit": p_hit,
+            "E_hit": e_hit, "E_miss": e_miss, "E_miss_fast": fast_tokens, "T_p": t_p, "T_b": t_b,
+            "choice_by_batch_size": dict(sorted(self.by_batch_size.items(), reverse=True)),
+        }
+        return self.choice

@@ -14,7 +14,8 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from ..config import SSDConfig
-from .decoding import check_vocabulary, ssd_decoding
+from .checks import check_vocabulary
+from .decoding import ssd_decoding
 
 _GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
 _SSD_CLASSES: dict[type, type] = {}

@@ -1,0 +1,114 @@
+"""What SSD refuses, checked before any forward pass, with errors that name the problem and the way out."""
+
+from __future__ import annotations
+
+import torch
+
+from ..compat import model_kwargs_cache_key
+
+
+def model_vocab_size(model) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(getattr(head, "out_features", None), int):  # nn.Linear, also dynamically quantized
+        return head.out_features
+    if isinstance(getattr(head, "weight", None), torch.Tensor):
+        return head.weight.shape[0]
+    return model.config.get_text_config().vocab_size
+
+
+# Processors that keep state across calls or assume one new token per call: verification scores K+1 positions
+# per round and rolls back, so they would silently change the output law. Every other processor is a function of
+# (prefix, scores) and is applied to each verified position with its exact prefix, which keeps SSD lossless.
+STATEFUL_PROCESSORS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor",
+    "ClassifierFreeGuidanceLogitsProcessor",
+    "SynthIDTextWatermarkLogitsProcessor",
+    "WhisperTimeStampLogitsProcessor",
+    "WhisperNoSpeechDetection",
+    "AlternatingCodebooksLogitsProcessor",
+    "BarkEosPrioritizerLogitsProcessor",
+    "DiaClassifierFreeGuidanceLogitsProcessor",
+    "DiaEOSChannelFilterLogitsProcessor",
+    "DiaEOSDelayPatternLogitsProcessor",
+}
+
+
+def check_processors(logits_processor) -> None:
+    """Refuse logits processors whose state would not survive multi-token verification and rollback."""
+    for processor in logits_processor or []:
+        name = type(processor).__name__
+        if name in STATEFUL_PROCESSORS:
+            raise ValueError(
+                f"SSD cannot use {name}: it keeps state across decoding steps, which speculative verification "
+                "(several positions per forward, then rollback) would silently break. Stateless processors "
+                "(penalties, bad words, min length, warpers, ...) are supported."
+            )
+
+
+def check_vocabulary(model, assistant_model) -> None:
+    """The draft must score the target's vocabulary: SSD exchanges token ids and distributions, never text."""
+    target_vocab, draft_vocab = model_vocab_size(model), model_vocab_size(assistant_model)
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and the "
+            f"draft {draft_vocab}."
+        )
+
+
+def check_supported(model, assistant_model, input_ids, generation_config, synced_gpus, model_kwargs) -> None:
+    """Refuse what SSD does not support, with a clear error, before any forward pass."""
+    if assistant_model is None:
+        raise ValueError("SSD needs a draft model: pass `assistant_model=` to generate() along with `ssd_config`.")
+    if model.config.is_encoder_decoder or assistant_model.config.is_encoder_decoder:
+        raise ValueError("SSD supports decoder-only target and draft models; got an encoder-decoder model.")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2 and bool((mask[:, -1] == 0).any()):
+        raise ValueError(
+            "SSD needs left-padded batches (every row's last position a real token); got right padding. Set "
+            "`tokenizer.padding_side = 'left'`."
+        )
+    if input_ids.shape[0] > 1:
+        check_batchable(input_ids, generation_config, model_kwargs)
+    check_vocabulary(model, assistant_model)
+    if synced_gpus:
+        raise ValueError("SSD does not support `synced_gpus=True`.")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "SSD does not return attentions or hidden states; drop `output_attentions` / `output_hidden_states` "
+            "(`output_scores` and `output_logits` are supported)."
+        )
+    if getattr(assistant_model, "_is_stateful", False) or getattr(model, "_is_stateful", False):
+        raise ValueError(
+            "SSD needs models whose cache can be rolled back; stateful (recurrent) models are not supported."
+        )
+    attn = getattr(assistant_model.config, "_attn_implementation", None) or ""
+    if "flash" in attn or "flex" in attn:
+        raise ValueError(
+            f"SSD's tree attention needs a custom 4D mask, which '{attn}' does not take; load the draft with "
+            "attn_implementation='sdpa' or 'eager'."
+        )
+    if model_kwargs_cache_key(model_kwargs) is None:
+        raise ValueError("SSD needs the target's KV cache: do not pass `use_cache=False`.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("SSD needs `input_ids`; `inputs_embeds` prompts are not supported.")
+
+
+def check_batchable(input_ids, generation_config, model_kwargs) -> None:
+    """What batch > 1 additionally needs: a fresh cache, 2D per-row inputs, a pad token and no streamer."""
+    rows = input_ids.shape[0]
+    cache = model_kwargs.get(model_kwargs_cache_key(model_kwargs) or "cache")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"SSD continues from a passed cache only at batch size 1; got a filled cache with a batch of {rows}."
+        )
+    for key in ("position_ids", "token_type_ids", "mm_token_type_ids"):
+        value = model_kwargs.get(key)
+        if value is not None and (value.dim() != 2 or value.shape[0] != rows):
+            raise ValueError(
+                f"SSD at batch size {rows} needs `{key}` of shape [batch, length]; got {tuple(value.shape)}."
+            )
+    if generation_config._pad_token_tensor is None:
+        raise ValueError(
+            f"SSD at batch size {rows} fills finished rows with the pad token: set `pad_token_id` (e.g. to the EOS "
+            "token) in generate() or the generation config."
+        )
