@@ -145,6 +145,8 @@ def test_custom_stopping_criteria_and_scores_per_row():
     plain = target.generate(ids, **kwargs)
     out = target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(lookahead=3), **kwargs)
     assert torch.equal(out.sequences, plain.sequences)
+    # the KV cache is returned at batch 1 only (rows were realigned and finished ones dropped)
+    assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None
     # without an EOS criterion plain decoding gives every row real tokens until the last row's criterion fires
     assert len(plain.scores) < 20 and (plain.sequences[:, width:] != 0).all()
     assert len(out.scores) == len(plain.scores) and len(out.logits) == len(plain.logits)
@@ -414,3 +416,25 @@ def test_batch_on_other_architectures(name):
             assert torch.equal(out, plain), name
             for i, row in enumerate(rows):
                 assert torch.equal(out[i, ids.shape[1]:], _alone(target, row, 20)), (name, i)
+
+
+def test_stop_strings_per_row():
+    """A stop string that fires in some rows: identical to plain batched decoding (which, with no EOS criterion,
+    keeps every row going until the last one has stopped), with and without an EOS id as well."""
+    from test_pipeline import word_tokenizer
+
+    target, draft = _pair("llama")
+    tok = word_tokenizer(extra_words=("abcdef",))
+    ids, mask, _ = _batch([6, 10, 3], seed=8)
+    width = ids.shape[1]
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    stops = sorted({tok.convert_ids_to_tokens(int(free[r, width + 3 + 4 * r])) for r in range(3)})  # one per row
+    for extra in ({}, {"eos_token_id": int(free[2, width + 9])}):
+        kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, stop_strings=stops,
+                      tokenizer=tok, **extra)
+        plain = target.generate(ids, **kwargs)
+        assert plain.shape[1] < free.shape[1]  # the stop strings ended the batch early
+        for backup in ("draft", "ngram"):
+            out = target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(lookahead=3, backup=backup),
+                                  **kwargs)
+            assert torch.equal(out, plain), (extra, backup)

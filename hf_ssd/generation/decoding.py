@@ -279,7 +279,8 @@ def ssd_decoding(
         scores=steps(row_scores) if want_scores else None,
         logits=steps(row_logits) if want_logits else None,
         ssd_metrics=metrics,
-        **{cache_field: model_kwargs.get(cache_key)},
+        # At batch > 1 the cache's rows were realigned and finished ones dropped: it does not match `sequences`.
+        **{cache_field: model_kwargs.get(cache_key) if batch == 1 else None},
     )
 
 
