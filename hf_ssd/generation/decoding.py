@@ -138,6 +138,10 @@ def ssd_decoding(
     pads_finished = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     fired_at: list[int | None] = [None] * batch
     limit: int | None = None
+    max_new = generation_config.max_length - input_ids.shape[1]
+    text_config = model.config.get_text_config()
+    max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+    max_positions = max_positions or 1 << 62
     active = list(range(batch))  # original row of each row still in the batch
     stream = BatchStreamer(streamer, batch, pad_id)
     layout_ids = input_ids  # the target's left-padded, right-aligned view of the active rows
@@ -157,9 +161,12 @@ def ssd_decoding(
                 preparing = runtime.submit(drafter.prepare, speculations)
                 recorder.wait_seconds += time.perf_counter() - waited
 
-                # Verify at most what still fits under max_length in every row (the last position is the bonus).
+                # Verify what the least advanced row can still use under max_length (the last position is the bonus);
+                # rows further on are capped when they emit. Never past the target's position embeddings.
+                shortest = min(row_ids[r].shape[0] for r in active)
                 longest = max(row_ids[r].shape[0] for r in active)
-                verified = max(0, min(lookahead, generation_config.max_length - longest - 1))
+                verified = max(0, min(lookahead, generation_config.max_length - shortest - 1,
+                                      max_positions - longest - 1))
                 tokens = torch.stack([s.tokens[:verified] for s in speculations]).to(input_ids.device)
                 verify_start = time.perf_counter()
                 with runtime.all_cores() if first else contextlib.nullcontext():
@@ -175,9 +182,8 @@ def ssd_decoding(
                 new_columns = torch.cat([tokens, tokens.new_zeros(len(active), 1)], dim=1)  # s_1..s_a, bonus, unused
                 new_columns[torch.arange(len(active)), torch.tensor(accepted)] = torch.tensor(bonus)
                 for i, r in enumerate(active):
-                    new_tokens = new_columns[i, : accepted[i] + 1]
-                    if limit is not None:
-                        new_tokens = new_tokens[: limit - len(generated[r])]
+                    cap = max_new if limit is None else min(limit, max_new)
+                    new_tokens = new_columns[i, : accepted[i] + 1][: cap - len(generated[r])]
                     count = new_tokens.shape[0]
                     if fired_at[r] is None:
                         history = tuple(row_scores[r])
@@ -197,7 +203,7 @@ def ssd_decoding(
                     if want_logits:
                         row_logits[r].extend(raw[i, :count, None])
                     recorder.record_round(speculations[i].source, accepted[i], verified, count)
-                    if limit is not None and len(generated[r]) >= limit:
+                    if len(generated[r]) >= cap:  # plain decoding stops every row at max_length
                         done[r] = True
                 if limit is None and not pads_finished and all(f is not None for f in fired_at):
                     # Without an EOS criterion, plain decoding keeps every row going (real tokens) until the last
