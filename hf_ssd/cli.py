@@ -37,7 +37,52 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU precision of the draft; int8 keeps the output exact (default: int8)")
     parser.add_argument("--target-precision", default="fp32", choices=["fp32", "int8"],
                         help="CPU precision of the target; int8 is faster but not batch-invariant (default: fp32)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="decode this many prompts together (the prompt plus built-in coding prompts), "
+                        "left-padded: plain batched decoding against SSD on the batch (default 1)")
     parser.add_argument("--json", action="store_true", help="print the SSD metrics as JSON")
+
+
+# Extra prompts for `hf-ssd demo --batch-size N`: short coding tasks of different lengths.
+BATCH_PROMPTS = (
+    "Write a Python function that reverses a linked list.",
+    "Implement binary search over a sorted list in Python and explain the loop invariant.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "Write a function that returns the n-th Fibonacci number iteratively.",
+    "Parse a CSV line with quoted fields in Python without the csv module.",
+    "Write a Python function that merges two sorted lists.",
+    "Count the words in a string and return the five most common ones.",
+)
+
+
+def _encode(tokenizer, prompt: str):
+    """Token ids [n] of one prompt: the chat template with a generation prompt when the tokenizer has one."""
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True).input_ids[0]
+    return tokenizer(prompt, return_tensors="pt").input_ids[0]
+
+
+def _demo_inputs(tokenizer, prompt: str, batch_size: int, vocab_size: int) -> dict:
+    """`generate()` inputs for the demo: one prompt, or a left-padded batch of `batch_size` prompts."""
+    import torch
+
+    from .bench.batch_sweep import left_pad
+
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(1)
+        rows = [torch.randint(0, vocab_size, (16 - 3 * (i % 4),), generator=generator) for i in range(batch_size)]
+        pad_id = 0
+    else:
+        prompts = [prompt, *BATCH_PROMPTS][:batch_size]
+        prompts += [BATCH_PROMPTS[i % len(BATCH_PROMPTS)] for i in range(batch_size - len(prompts))]
+        rows = [_encode(tokenizer, text) for text in prompts]
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if batch_size == 1:
+        return {"input_ids": rows[0][None]}
+    input_ids, attention_mask = left_pad(rows, pad_id)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "pad_token_id": pad_id}
 
 
 def _random_pair():
@@ -84,53 +129,69 @@ def demo(args) -> int:
         draft = copy.deepcopy(target)
     target = enable_ssd(apply_precision(target, args.target_precision))
     draft = apply_precision(draft, args.draft_precision)
-    if tokenizer is not None and tokenizer.chat_template:
-        messages = [{"role": "user", "content": args.prompt}]
-        input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                  return_dict=True).input_ids
-    elif tokenizer is not None:
-        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    else:
-        torch.manual_seed(1)
-        input_ids = torch.randint(0, target.config.vocab_size, (1, 16))
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be >= 1; got {args.batch_size}")
+    inputs = _demo_inputs(tokenizer, args.prompt, args.batch_size, target.config.vocab_size)
+    input_ids = inputs["input_ids"]
     defaults = SSDConfig()
     config = SSDConfig(
         lookahead=args.lookahead or defaults.lookahead, fanout_budget=args.budget or defaults.fanout_budget,
         executor=args.executor,
     )
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    target.generate(input_ids, max_new_tokens=4, do_sample=False)  # warm-up
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, **{k: v for k, v in inputs.items()
+                                                                         if k != "input_ids"})
+    target.generate(input_ids, **{**common, "max_new_tokens": 4})  # warm-up
     start = time.perf_counter()
     plain = target.generate(input_ids, **common)
     plain_s = time.perf_counter() - start
     draft.generation_config.num_assistant_tokens = config.lookahead
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
+    # transformers' assisted generation runs batch size 1: the rows one after another
     start = time.perf_counter()
-    assisted = target.generate(input_ids, assistant_model=draft, **common)
+    mask = inputs.get("attention_mask")
+    assisted = [target.generate(row[None] if mask is None else row[mask[i].bool()][None], assistant_model=draft,
+                                max_new_tokens=args.max_new_tokens, do_sample=False)
+                for i, row in enumerate(input_ids)]
     assisted_s = time.perf_counter() - start
     start = time.perf_counter()
     ssd = target.generate(input_ids, assistant_model=draft, ssd_config=config, **common)
     ssd_s = time.perf_counter() - start
     metrics = target.ssd_metrics
-    new = plain.shape[1] - input_ids.shape[1]
+    width = input_ids.shape[1]
+    eos = target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def new_tokens(rows) -> int:  # up to each row's EOS
+        return sum(next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows)
+
+    prompt_lengths = [width] * len(input_ids) if mask is None else mask.sum(dim=1).tolist()
+    plain_new = new_tokens(plain[:, width:].tolist())
+    assisted_new = new_tokens([a[0, n:].tolist() for a, n in zip(assisted, prompt_lengths)])
+    ssd_new = new_tokens(ssd[:, width:].tolist())
+    rows_alike = sum(torch.equal(p, s) for p, s in zip(plain, ssd))
+    assisted_alike = torch.equal(assisted[0], plain) if args.batch_size == 1 else None
     print(f"target: {type(target).__name__} {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params; "
-          f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params")
+          f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params; batch size {args.batch_size}")
     print(f"config: {config.to_json_string()}")
-    print(f"plain greedy                 : {new / plain_s:8.2f} tok/s")
-    print(f"transformers assisted (K={config.lookahead})   : "
-          f"{(assisted.shape[1] - input_ids.shape[1]) / assisted_s:8.2f} tok/s  ({plain_s / assisted_s:.2f}x plain)")
-    print(f"SSD                          : {(ssd.shape[1] - input_ids.shape[1]) / ssd_s:8.2f} tok/s  "
-          f"({plain_s / ssd_s:.2f}x plain, {assisted_s / ssd_s:.2f}x assisted)")
-    print(f"SSD identical to plain greedy: {torch.equal(plain, ssd)}; "
-          f"assisted identical: {torch.equal(plain, assisted)}")
+    batch_note = " (batched)" if args.batch_size > 1 else ""
+    print(f"plain greedy{batch_note:<17}: {plain_new / plain_s:8.2f} tok/s")
+    print(f"transformers assisted (K={config.lookahead})   : {assisted_new / assisted_s:8.2f} tok/s  "
+          f"({plain_s / assisted_s * assisted_new / max(plain_new, 1):.2f}x plain"
+          + (", rows one after another)" if args.batch_size > 1 else ")"))
+    print(f"SSD{batch_note:<26}: {ssd_new / ssd_s:8.2f} tok/s  "
+          f"({ssd_new / ssd_s / (plain_new / plain_s):.2f}x plain, "
+          f"{ssd_new / ssd_s / (assisted_new / assisted_s):.2f}x assisted)")
+    print(f"SSD identical to plain greedy: {rows_alike}/{args.batch_size} rows"
+          + (f"; assisted identical: {bool(assisted_alike)}" if assisted_alike is not None else ""))
     print(f"rounds {metrics.rounds}, cache hit rate {metrics.cache_hit_rate:.2f}, "
-          f"mean accepted length {metrics.mean_accepted_length:.2f}, target waited {metrics.target_wait_seconds:.2f}s")
+          f"mean accepted length {metrics.mean_accepted_length:.2f}, target waited {metrics.target_wait_seconds:.2f}s"
+          + (f", auto backup: {metrics.backup_decision.get('choice', 'draft')}" if metrics.backup == "auto" else ""))
     if tokenizer is not None:
-        print("---\n" + tokenizer.decode(ssd[0, input_ids.shape[1]:], skip_special_tokens=True))
+        print("---\n" + tokenizer.decode(ssd[0, width:], skip_special_tokens=True))
     if args.json:
         print(json.dumps(metrics.to_dict(), indent=2))
-    return 0 if torch.equal(plain, ssd) else 1
+    return 0 if rows_alike == args.batch_size else 1
 
 
 def _models_arguments(parser: argparse.ArgumentParser) -> None:

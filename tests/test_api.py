@@ -423,3 +423,13 @@ def test_continue_from_returned_cache(pair, executor):
             cache = output_cache(target(ids[:, :5], use_cache=True))
         out = greedy(target, ids, 24, assistant_model=draft, ssd_config=config, **{key: cache})
         assert torch.equal(out, full)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_cli_demo_runs_and_checks_identity(capsys, batch_size):
+    """`hf-ssd demo` (random pair, no downloads) exits 0 only when SSD matched plain greedy on every row."""
+    from hf_ssd.cli import main
+
+    assert main(["demo", "--max-new-tokens", "8", "--batch-size", str(batch_size), "--executor", "sync"]) == 0
+    out = capsys.readouterr().out
+    assert f"SSD identical to plain greedy: {batch_size}/{batch_size} rows" in out and "tok/s" in out
