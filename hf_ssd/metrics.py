@@ -18,7 +18,9 @@ class SSDMetrics:
     p_hit, E_hit, E_miss, T_p, T_b in units of one verification, the critical batch size, the batch size, the
     choice). `peak_target_kv_bytes` / `peak_draft_kv_bytes` are the largest KV sizes seen after a round;
     `realign_seconds` / `draft_compact_seconds` the time spent realigning the target's rows (crop or gather) and
-    compacting the draft cache. Times are wall-clock seconds: `target_wait_seconds` is how long the target sat idle
+    compacting the draft cache. `first_verify_seconds` (the first verification, with the target's prefill) and
+    `first_wait_seconds` (the wait for the draft's prefill and first speculation) are included in `verify_seconds`
+    and `target_wait_seconds`. Times are wall-clock seconds: `target_wait_seconds` is how long the target sat idle
     waiting for the draft (with `executor="sync"` that is all the draft's work). `hits_by_fanout[F]` and
     `hits_by_position[k]` are `[hits, lookups]` by the number of branches prepared at the outcome's fork and by the
     outcome's accepted length k.
@@ -42,6 +44,8 @@ class SSDMetrics:
     peak_target_kv_bytes: int = 0
     peak_draft_kv_bytes: int = 0
     realign_seconds: float = 0.0
+    first_verify_seconds: float = 0.0
+    first_wait_seconds: float = 0.0
     draft_compact_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -87,11 +91,21 @@ class MetricsRecorder:
         self.peak_target = 0
         self.peak_draft = 0
         self.realign_seconds = 0.0
+        self.first_verify_seconds = 0.0  # the first verification, which includes the target's prefill
+        self.first_wait_seconds = 0.0  # waiting for the draft's prefill and first speculation
 
     def record_verify(self, seconds: float) -> None:
-        """One verification (of the whole batch)."""
+        """One verification (of the whole batch); the first one also holds the target's prefill."""
+        if self.batch_rounds == 0:
+            self.first_verify_seconds = seconds
         self.batch_rounds += 1
         self.verify_seconds += seconds
+
+    def decode_verify_seconds(self) -> float:
+        """Mean seconds of one verification after the first (the prefill's), or of the first if it is the only one."""
+        if self.batch_rounds > 1:
+            return (self.verify_seconds - self.first_verify_seconds) / (self.batch_rounds - 1)
+        return self.verify_seconds
 
     def record_memory(self, target_bytes: int, draft_bytes: int) -> None:
         self.peak_target = max(self.peak_target, target_bytes)
@@ -148,6 +162,8 @@ class MetricsRecorder:
             peak_target_kv_bytes=self.peak_target,
             peak_draft_kv_bytes=self.peak_draft,
             realign_seconds=self.realign_seconds,
+            first_verify_seconds=self.first_verify_seconds,
+            first_wait_seconds=self.first_wait_seconds,
             verify_seconds=self.verify_seconds,
             target_wait_seconds=self.wait_seconds,
             lookahead=self.lookahead,

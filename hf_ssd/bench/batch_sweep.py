@@ -184,7 +184,9 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
                   kv_bytes_per_token=(m.peak_target_kv_bytes + m.peak_draft_kv_bytes)
                   / (b * (width + longest)),
                   realign_seconds=m.realign_seconds, draft_compact_seconds=m.draft_compact_seconds,
-                  verify_seconds=m.verify_seconds, target_wait_seconds=m.target_wait_seconds)
+                  verify_seconds=m.verify_seconds, target_wait_seconds=m.target_wait_seconds,
+                  decode_verify_seconds=m.verify_seconds - m.first_verify_seconds,
+                  decode_wait_seconds=m.target_wait_seconds - m.first_wait_seconds, batch_rounds=m.batch_rounds)
     return results
 
 

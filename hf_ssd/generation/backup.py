@@ -92,7 +92,7 @@ class AutoBackup:
     def decide(self, recorder, drafter, rows: int) -> str:
         if not self.enabled:
             return self.choice
-        verify = recorder.verify_seconds / max(recorder.batch_rounds, 1)
+        verify = recorder.decode_verify_seconds()  # the first verification also holds the prefill
         if drafter.backup_calls == 0 or recorder.lookups == 0 or verify <= 0:
             return self.choice  # nothing measured yet: the just-in-time draft (best at batch 1)
         e_hit = recorder.tokens_per_round("cache")

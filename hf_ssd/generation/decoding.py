@@ -154,7 +154,8 @@ def ssd_decoding(
             speculations = runtime.submit(
                 runtime.on_all_cores(drafter.begin), input_ids, model_kwargs.get("attention_mask")
             ).result()
-            recorder.wait_seconds += time.perf_counter() - waited
+            recorder.first_wait_seconds = time.perf_counter() - waited
+            recorder.wait_seconds += recorder.first_wait_seconds
             while active:
                 waited = time.perf_counter()
                 drafter.announce(None)
