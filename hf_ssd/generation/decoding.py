@@ -21,7 +21,7 @@ from ..config import SSDConfig
 from ..metrics import MetricsRecorder
 from .backup import AutoBackup
 from .candidate_generator import SaguaroCandidateGenerator
-from .checks import check_processors, check_supported, check_vocabulary, model_vocab_size
+from .checks import check_processors, check_supported, model_vocab_size
 from .fanout import FanoutEstimator
 from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, steps
 from .runtime import DraftRuntime, resolve_executor, split_threads
@@ -36,7 +36,7 @@ from .target_rows import (
 )
 from .verification import greedy_verify, sampling_verify
 
-__all__ = ["SSDGenerateDecoderOnlyOutput", "check_vocabulary", "ssd_decoding"]
+__all__ = ["SSDGenerateDecoderOnlyOutput", "ssd_decoding"]
 
 
 def _seeded_generator(device: torch.device) -> torch.Generator:
