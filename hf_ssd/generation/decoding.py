@@ -181,7 +181,10 @@ def ssd_decoding(
 
                 emitted = []
                 new_columns = torch.cat([tokens, tokens.new_zeros(len(active), 1)], dim=1)  # s_1..s_a, bonus, unused
-                new_columns[torch.arange(len(active)), torch.tensor(accepted)] = torch.tensor(bonus)
+                device = tokens.device
+                new_columns[torch.arange(len(active), device=device), torch.tensor(accepted, device=device)] = (
+                    torch.tensor(bonus, device=device, dtype=tokens.dtype)
+                )
                 for i, r in enumerate(active):
                     cap = max_new if limit is None else min(limit, max_new)
                     new_tokens = new_columns[i, : accepted[i] + 1][: cap - len(generated[r])]
