@@ -83,13 +83,11 @@ class MetricsRecorder:
         self.emitted_total = 0
         self.reached = [0] * lookahead
         self.passed = [0] * lookahead
-        self.emitted_by_source = {"hit": [0, 0], "miss": [0, 0]}
         self.by_source: dict[str, list[int]] = {}
         self.verify_seconds = 0.0
         self.wait_seconds = 0.0
         self.batch_rounds = 0
         self.peak_target = 0
-        self.peak_draft = 0
         self.realign_seconds = 0.0
         self.first_verify_seconds = 0.0  # the first verification, which includes the target's prefill
         self.first_wait_seconds = 0.0  # waiting for the draft's prefill and first speculation
@@ -107,18 +105,17 @@ class MetricsRecorder:
             return (self.verify_seconds - self.first_verify_seconds) / (self.batch_rounds - 1)
         return self.verify_seconds
 
-    def record_memory(self, target_bytes: int, draft_bytes: int) -> None:
+    def record_memory(self, target_bytes: int) -> None:
         self.peak_target = max(self.peak_target, target_bytes)
-        self.peak_draft = max(self.peak_draft, draft_bytes)
 
-    def tokens_per_round(self, source: str) -> float:
-        """Mean tokens (accepted + bonus) per row-round whose speculation came from `source`; 0 if none."""
-        total, count = self.by_source.get(source, (0, 0))
+    def tokens_per_round(self, *sources: str) -> float:
+        """Mean tokens (accepted + bonus) per row-round whose speculation came from one of `sources`; 0 if none."""
+        total = sum(self.by_source.get(s, (0, 0))[0] for s in sources)
+        count = sum(self.by_source.get(s, (0, 0))[1] for s in sources)
         return total / count if count else 0.0
 
     def record_round(self, source: str, accepted: int, verified: int, emitted: int) -> None:
         """One row's round; `source` is where its speculation came from ("cache" or the backup's name)."""
-        primary = source == "cache"
         self.rounds += 1
         self.generated += emitted
         self.accepted_total += accepted
@@ -127,9 +124,6 @@ class MetricsRecorder:
         for i in range(min(verified, accepted + 1)):
             self.reached[i] += 1
             self.passed[i] += int(i < accepted)
-        bucket = self.emitted_by_source["hit" if primary else "miss"]
-        bucket[0] += accepted + 1
-        bucket[1] += 1
         per_source = self.by_source.setdefault(source, [0, 0])
         per_source[0] += accepted + 1
         per_source[1] += 1
@@ -155,12 +149,11 @@ class MetricsRecorder:
             mean_accepted_length=ratio(self.emitted_total, self.rounds),
             draft_acceptance_rate=ratio(self.accepted_total, self.verified_total),
             per_position_acceptance=[ratio(p, r) for p, r in zip(self.passed, self.reached)],
-            tokens_per_round_hit=ratio(*self.emitted_by_source["hit"]),
-            tokens_per_round_miss=ratio(*self.emitted_by_source["miss"]),
+            tokens_per_round_hit=self.tokens_per_round("cache"),
+            tokens_per_round_miss=self.tokens_per_round(*(k for k in self.by_source if k != "cache")),
             tokens_per_round_by_source={k: ratio(*v) for k, v in sorted(self.by_source.items())},
             rounds_by_source={k: v[1] for k, v in sorted(self.by_source.items())},
             peak_target_kv_bytes=self.peak_target,
-            peak_draft_kv_bytes=self.peak_draft,
             realign_seconds=self.realign_seconds,
             first_verify_seconds=self.first_verify_seconds,
             first_wait_seconds=self.first_wait_seconds,

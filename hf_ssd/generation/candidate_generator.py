@@ -114,6 +114,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.prepare_seconds = 0.0  # wall time of glue + fork + tree (T_p)
         self.prepare_calls = 0
         self.compact_seconds = 0.0  # wall time of the per-round draft-cache compaction in `resolve`
+        self.peak_cache_bytes = 0  # largest draft KV held after a compaction (measured on the draft's own thread)
         self._round = 0
         self._base_seed = self.generator.initial_seed()
         self._last_accepted: int | None = None
@@ -333,6 +334,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         index, valid = compact(keep[selected])
         self.cache.keep(index, valid, None if len(keep_rows) == rows else selected)
         self.compact_seconds += time.perf_counter() - compact_start
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.memory_bytes())
         for r in keep_rows:
             acc, bonus = outcomes[r]
             self.contexts[r].extend(self.speculations[r].tokens[:acc].tolist())

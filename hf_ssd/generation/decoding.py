@@ -239,7 +239,7 @@ def ssd_decoding(
                     committed = torch.cat([layout_ids, new_columns], dim=1)
                     layout_ids = realign_rows(cache, model_kwargs, committed, keep_rows, lengths)
                 recorder.realign_seconds += time.perf_counter() - realign_start
-                recorder.record_memory(kv_bytes(cache), drafter.cache.memory_bytes())
+                recorder.record_memory(kv_bytes(cache))
                 first = False
                 active = [active[i] for i in keep_rows]
                 if not active:
@@ -270,6 +270,7 @@ def ssd_decoding(
         hits_by_fanout={f: list(v) for f, v in sorted(estimator.hits_by_f.items())},
         tree_steps_skipped=drafter.skipped_tree_steps,
         draft_compact_seconds=drafter.compact_seconds,
+        peak_draft_kv_bytes=drafter.peak_cache_bytes,
         branches=config.branches,
         backup=config.backup,  # "auto": see backup_decision and rounds_by_source for what ran
         backup_decision=dict(auto.decision),
