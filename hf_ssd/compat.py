@@ -1,4 +1,5 @@
-"""Differences between the supported transformers releases (5.23: `past_key_values`, 5.24+: `cache`)."""
+"""Where hf_ssd meets transformers' internals: differences between the supported releases (5.23:
+`past_key_values`, 5.24+: `cache`) and every private transformers name the package uses, in one place."""
 
 from __future__ import annotations
 
@@ -6,6 +7,42 @@ import inspect
 from functools import cache
 
 import torch
+from transformers.generation.candidate_generator import (
+    _prepare_attention_mask as prepare_attention_mask,
+)
+from transformers.generation.candidate_generator import (
+    _prepare_position_ids as prepare_position_ids,
+)
+from transformers.generation.candidate_generator import (
+    _prepare_token_type_ids as prepare_token_type_ids,
+)
+
+__all__ = [
+    "attn_implementation",
+    "cache_kwarg",
+    "is_stateful",
+    "model_kwargs_cache_key",
+    "output_cache",
+    "pad_token_tensor",
+    "prepare_attention_mask",
+    "prepare_position_ids",
+    "prepare_token_type_ids",
+]
+
+
+def pad_token_tensor(generation_config) -> torch.Tensor | None:
+    """The pad token generate() resolved for this call (a tensor), or None."""
+    return generation_config._pad_token_tensor
+
+
+def is_stateful(model) -> bool:
+    """Whether the model keeps recurrent state (its cache cannot be rolled back)."""
+    return bool(getattr(model, "_is_stateful", False))
+
+
+def attn_implementation(config) -> str:
+    """The attention implementation a model was loaded with ("sdpa", "eager", "flash_attention_2", ...)."""
+    return getattr(config, "_attn_implementation", None) or ""
 
 
 @cache

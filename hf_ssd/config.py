@@ -8,7 +8,7 @@ from typing import Any
 
 FANOUT_KINDS = ("geometric", "uniform")
 BACKUPS = ("auto", "draft", "ngram", "random")
-EXECUTORS = ("auto", "thread", "sync", "stream")
+EXECUTORS = ("auto", "thread", "process", "sync", "stream")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -37,8 +37,10 @@ class SSDConfig:
             bonus token lands in the cache (1.0 disables Saguaro sampling; only matters when sampling).
         backup: the speculator used on a cache miss: `"draft"` (the draft model, just in time), `"ngram"`
             (prompt lookup in the context, random fill), `"random"` (uniform tokens) or `"auto"`.
-        executor: where the draft runs: `"thread"` (a background thread, concurrent with verification),
-            `"sync"` (inline, for debugging and ablations), `"auto"`; `"stream"` is reserved for CUDA.
+        executor: where the draft runs: `"process"` (a persistent worker process sharing the draft's weights,
+            concurrent with verification, no shared GIL), `"thread"` (a background thread), `"sync"` (inline, for
+            debugging and ablations), or `"auto"` (a worker process once one is running, a thread until then;
+            inline on one core); `"stream"` is reserved for CUDA.
         draft_threads: intra-op CPU threads for the draft worker (None: half the cores).
         target_threads: intra-op CPU threads for the target while SSD runs (None: the remaining cores).
         acceptance_prior: the per-token acceptance `a` used for the fan-out before statistics exist.

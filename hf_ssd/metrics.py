@@ -1,9 +1,41 @@
-"""`SSDMetrics`: what happened during one SSD `generate()` call."""
+"""`SSDMetrics`: what happened during one SSD `generate()` call, and the recorders that collect it.
+
+Vocabulary used throughout: a round's lookup in the speculation cache is a **hit** or a **miss**; a speculation's
+**source** is `"cache"` (a hit) or the backup that drafted it (`"draft"`, `"ngram"`, `"random"`). The fan-out
+schedule and the acceptance estimate are keyed by whether the speculation verified was a hit or a miss
+(the paper's F^p and F^b).
+"""
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+class PhaseTimer:
+    """Wall-clock seconds and calls per named phase: `with timer("verify"): ...` or `timer.add(name, seconds)`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+        self.calls[name] += 1
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def totals(self) -> dict[str, float]:
+        return dict(self.seconds)
 
 
 @dataclass
@@ -24,6 +56,16 @@ class SSDMetrics:
     waiting for the draft (with `executor="sync"` that is all the draft's work). `hits_by_fanout[F]` and
     `hits_by_position[k]` are `[hits, lookups]` by the number of branches prepared at the outcome's fork and by the
     outcome's accepted length k.
+
+    The critical path, per side (seconds summed over the call; divide by `batch_rounds` for a round):
+    `target_phase_seconds` — `target_forward` (the verification forwards), `processors` (logits processors),
+    `verify` (acceptance and its read-back to the host), `emit` (stop rules, scores, streamer), `realign`,
+    `hand_off` (submitting draft work and announcing outcomes), `wait_prepare` / `wait_resolve` (idle, waiting for
+    the draft), `wait_first` (the draft's prefill and first speculation); `draft_phase_seconds` — `glue_forward`,
+    `tree_forward`, `backup_forward` (the draft model's calls), `prepare`, `resolve` and `begin` (whole tasks, so
+    task minus forwards is the draft's own Python: masks, fork, cache bookkeeping, compaction). `worker_start_seconds`
+    is the process executor's start-up paid by this call (0 when its worker was already running) and
+    `draft_load_seconds` the time to hand it the draft (0 when it already held it).
     """
 
     rounds: int = 0
@@ -63,6 +105,10 @@ class SSDMetrics:
     executor: str = ""
     draft_threads: int = 0
     target_threads: int = 0
+    target_phase_seconds: dict[str, float] = field(default_factory=dict)
+    draft_phase_seconds: dict[str, float] = field(default_factory=dict)
+    worker_start_seconds: float = 0.0
+    draft_load_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +119,7 @@ class MetricsRecorder:
 
     def __init__(self, lookahead: int):
         self.lookahead = lookahead
+        self.phases = PhaseTimer()  # the target side's critical path (see `SSDMetrics.target_phase_seconds`)
         self.rounds = 0
         self.generated = 0
         self.lookups = 0
@@ -84,20 +131,33 @@ class MetricsRecorder:
         self.reached = [0] * lookahead
         self.passed = [0] * lookahead
         self.by_source: dict[str, list[int]] = {}
-        self.verify_seconds = 0.0
-        self.wait_seconds = 0.0
         self.batch_rounds = 0
         self.peak_target = 0
-        self.realign_seconds = 0.0
+        self.verify_seconds = 0.0
         self.first_verify_seconds = 0.0  # the first verification, which includes the target's prefill
-        self.first_wait_seconds = 0.0  # waiting for the draft's prefill and first speculation
 
-    def record_verify(self, seconds: float) -> None:
-        """One verification (of the whole batch); the first one also holds the target's prefill."""
-        if self.batch_rounds == 0:
-            self.first_verify_seconds = seconds
-        self.batch_rounds += 1
-        self.verify_seconds += seconds
+    @contextmanager
+    def verification(self):
+        """Times one verification of the whole batch (forward, processors, acceptance); the first one also holds the
+        target's prefill."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            if self.batch_rounds == 0:
+                self.first_verify_seconds = seconds
+            self.batch_rounds += 1
+            self.verify_seconds += seconds
+
+    @property
+    def wait_seconds(self) -> float:
+        """How long the target sat idle waiting for the draft."""
+        return sum(v for k, v in self.phases.seconds.items() if k.startswith("wait_"))
+
+    @property
+    def first_wait_seconds(self) -> float:
+        return self.phases.seconds.get("wait_first", 0.0)
 
     def decode_verify_seconds(self) -> float:
         """Mean seconds of one verification after the first (the prefill's), or of the first if it is the only one."""
@@ -154,11 +214,12 @@ class MetricsRecorder:
             tokens_per_round_by_source={k: ratio(*v) for k, v in sorted(self.by_source.items())},
             rounds_by_source={k: v[1] for k, v in sorted(self.by_source.items())},
             peak_target_kv_bytes=self.peak_target,
-            realign_seconds=self.realign_seconds,
+            realign_seconds=self.phases.seconds.get("realign", 0.0),
             first_verify_seconds=self.first_verify_seconds,
             first_wait_seconds=self.first_wait_seconds,
             verify_seconds=self.verify_seconds,
             target_wait_seconds=self.wait_seconds,
+            target_phase_seconds=self.phases.totals(),
             lookahead=self.lookahead,
             **extra,
         )

@@ -1,7 +1,7 @@
 """CPU precision options: fp32, or int8 weights with dynamic int8 activations (fbgemm) for every Linear layer.
 
 On AVX2 CPUs a forward over K+1 tokens costs about 3× one token in fp32 but about 1.5× in int8, and the int8
-forward is several times faster overall (see the project's CPU notes).
+forward is several times faster overall (README, "Real models offline, CPU precision").
 
 Exactness: the DRAFT's numerics never change SSD's output — verification is exact for whatever distribution the
 draft proposes from — so an int8 draft keeps greedy output token-identical to the fp32 target. Quantizing the

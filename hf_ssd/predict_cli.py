@@ -34,7 +34,7 @@ def _parse_table(text: str) -> dict[int, float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `hf-ssd predict`."""
-    lat = parser.add_argument_group("latencies (ms; default: the int8 Qwen2.5-Coder pair of cpu-performance.md)")
+    lat = parser.add_argument_group("latencies (ms; default: speed_model.CPU_QWEN_INT8, measured on a 2-core CPU)")
     lat.add_argument("--target-step-ms", type=float, help="one AR target forward (1 token)")
     lat.add_argument("--target-verify-ms", type=_parse_table, help="verification by K draft tokens, e.g. 4:238,8:317")
     lat.add_argument("--draft-step-ms", type=float, help="one single-token draft forward")
@@ -162,7 +162,7 @@ def run_command(args: argparse.Namespace) -> int:
     ) if v is not None}
     stats = replace(stats, **stat_updates)
     cpu = predict(lat, stats, K, B, backup, label="CPU, as measured (latencies given)" if not default_latencies
-                  else "CPU, int8 Qwen2.5-Coder latencies from cpu-performance.md")
+                  else "CPU, int8 Qwen2.5-Coder latencies measured on a 2-core CPU")
     # Measured figures from a JSON only mean something against latencies of the same model pair.
     measured = args.measured_tok_s or (None if default_latencies else found.get("measured"))
     reasons = explain_gap(cpu, measured, None if default_latencies else found.get("metrics"))
@@ -175,8 +175,8 @@ def run_command(args: argparse.Namespace) -> int:
     acc_text = f"{acc:.3f}" if isinstance(acc, (int, float)) else "[" + ", ".join(f"{x:.3f}" for x in acc) + "]"
     print(f"statistics: acceptance {acc_text}, p_hit {stats.p_hit:.3f}")
     if default_latencies and found:
-        print("note: latencies are cpu-performance.md's int8 Qwen pair (the JSON's timings are not used and no gap "
-              "is explained); pass --target-step-ms, --draft-step-ms, --target-verify-ms, --draft-tree-ms")
+        print("note: latencies are the int8 Qwen pair's, measured on 2 CPU cores (the JSON's timings are not used and "
+              "no gap is explained); pass --target-step-ms, --draft-step-ms, --target-verify-ms, --draft-tree-ms")
     _print_prediction(cpu)
     if reasons:
         print("measured vs predicted:")

@@ -1,6 +1,6 @@
 """Speed model: predicted AR / SD / SSD throughput from measured latencies and acceptance statistics.
 
-Pure Python (no torch). Formulas follow docs/ssd-algorithm.md §3 and §6 (Kumar, Dao, May, arXiv:2603.03251):
+Pure Python (no torch). Formulas follow the paper (Kumar, Dao, May, arXiv:2603.03251, §3 and §6):
 Theorem 7 (SSD speedup), Corollary 9 (SSD/SD bounds), Corollary 16 (batch), Theorem 17 (backup choice).
 
 Normalisation (used by every closed-form function below)
@@ -410,7 +410,7 @@ def predict(
 
 @dataclass(frozen=True)
 class PublishedSetting:
-    """Published decode throughputs (tok/s, greedy, batch 1, prefill excluded; ssd-algorithm.md §7)."""
+    """Published decode throughputs (tok/s, greedy, batch 1, prefill excluded; the paper's Table 1 and §6)."""
 
     name: str
     hardware: str
@@ -487,7 +487,7 @@ def predict_h100(stats: Statistics, K: int, B: int, setting: str = "llama-70b", 
     return result
 
 
-# --- measured CPU latencies (docs/cpu-performance.md, Qwen2.5-Coder 1.5B / 0.5B, one intra-op thread each) --
+# --- measured CPU latencies (2-core AMD EPYC, Qwen2.5-Coder 1.5B / 0.5B, one intra-op thread each) ---------
 
 CPU_QWEN_INT8 = Latencies(
     target_step_ms=211.0, target_verify_ms={4: 238.0, 8: 317.0}, draft_step_ms=100.0, draft_forward_ms={5: 116.0},

@@ -59,7 +59,7 @@ INVALID_FIELDS = [
     ("saguaro_c", 0.0, "(0, 1]"),
     ("saguaro_c", 1.5, "(0, 1]"),
     ("backup", "oracle", "ngram"),
-    ("executor", "process", "thread"),
+    ("executor", "cuda", "process"),
     ("draft_threads", 0, ">= 1 or None"),
     ("target_threads", -2, ">= 1 or None"),
     ("acceptance_prior", 1.0, "(0, 1)"),
@@ -177,7 +177,7 @@ def test_subclass_with_mixin():
     ids = prompt(seed=3)
     expected = greedy(source, ids)
     assert torch.equal(greedy(model, ids), expected)
-    for executor in ("thread", "sync"):
+    for executor in ("thread", "sync", "process"):
         out = greedy(model, ids, assistant_model=draft, ssd_config=SSDConfig(executor=executor))
         assert torch.equal(out, expected)
         assert isinstance(model.ssd_metrics, SSDMetrics) and model.ssd_metrics.generated_tokens == 20
@@ -266,11 +266,11 @@ def check_metrics(metrics: SSDMetrics, new_tokens: int, lookahead: int) -> None:
     assert 0.0 <= metrics.tokens_per_round_miss <= lookahead + 1
     assert metrics.verify_seconds > 0 and metrics.draft_seconds > 0 and metrics.target_wait_seconds >= 0
     assert metrics.wall_seconds >= metrics.verify_seconds
-    assert set(metrics.fanout_schedule) == {"primary", "backup"}
+    assert set(metrics.fanout_schedule) == {"hit", "miss"} == set(metrics.acceptance_estimate)
     assert all(len(f) == lookahead + 1 for f in metrics.fanout_schedule.values())
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_return_dict_scores_logits_and_metrics(pair, executor):
     target, random_draft = pair
     ids = prompt(seed=4)
@@ -307,7 +307,7 @@ def test_return_dict_scores_logits_and_metrics(pair, executor):
     check_metrics(out.ssd_metrics, new, 3)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_left_padding_and_attention_mask(pair, executor):
     target, random_draft = pair
     ids = prompt(seed=5)
@@ -335,7 +335,7 @@ def test_shortest_prompts(pair):
     for ids, kwargs in ((one, {}), (padded, {"attention_mask": mask, "pad_token_id": 0})):
         expected = greedy(target, ids, 15, **kwargs)
         for draft in (target, random_draft):
-            for executor in ("thread", "sync"):
+            for executor in ("thread", "sync", "process"):
                 out = greedy(target, ids, 15, assistant_model=draft, ssd_config={"executor": executor}, **kwargs)
                 assert torch.equal(out, expected)
 
@@ -399,7 +399,7 @@ def test_refusals_before_any_work(pair):
     assert torch.equal(greedy(target, ids, assistant_model=draft, ssd_config=SSDConfig()), expected)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_continue_from_returned_cache(pair, executor):
     """Multi-turn use: generate, then continue from the returned cache (the target's cache holds all but the
     newest token). SSD must give plain greedy's continuation, with and without SSD in the first call."""

@@ -66,6 +66,8 @@ CASES = [
     (4, 6, "random", "thread"),
     (2, 5, "auto", "sync"),
     (5, 12, "draft", "sync"),
+    (2, 6, "draft", "process"),
+    (3, 5, "ngram", "process"),
 ]
 
 
@@ -280,6 +282,7 @@ def batch_counts(target, draft, config, seed: int, calls: int = BATCH_SAMPLES):
     pytest.param("self", 2, 4, 0.3, "draft", "thread", id="self-C0.3-draft-thread"),
     pytest.param("random", 2, 4, 1.0, "ngram", "sync", id="rand-C1-ngram-sync"),
     pytest.param("random", 3, 6, 0.5, "random", "thread", id="rand-C0.5-random-thread"),
+    pytest.param("self", 2, 4, 0.5, "ngram", "process", id="self-C0.5-ngram-process"),
 ])
 def test_sampling_law_at_batch_4(law_models, draft, lookahead, budget, c, backup, executor):
     """Every row of a batch follows the target's exact law for its own prompt (mixed lengths, left padding)."""
@@ -295,15 +298,14 @@ def test_sampling_law_at_batch_4(law_models, draft, lookahead, budget, c, backup
 
 def test_batch_law_negative_control_rows_swapped(law_models, monkeypatch):
     """Power check: verifying each row against its neighbour's q is rejected by the same harness."""
-    from hf_ssd.generation import decoding
+    from hf_ssd.generation import target_rows
 
-    original = decoding._verify
+    original = target_rows.accept
 
-    def swapped(speculations, tokens, scores, generator):
-        rotated = speculations[1:] + speculations[:1]
-        return original(rotated, tokens, scores, generator)
+    def swapped(tokens, scores, q, generator):  # row i verified with row i+1's q
+        return original(tokens, scores, q.roll(-1, dims=0), generator)
 
-    monkeypatch.setattr(decoding, "_verify", swapped)
+    monkeypatch.setattr(target_rows, "accept", swapped)
     target = law_models["target"]
     config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync")
     counts, _, _ = batch_counts(target, law_models["self"], config, seed=77)
@@ -379,10 +381,10 @@ def test_auto_backup_keeps_the_draft_when_it_is_cheap(monkeypatch):
             param.add_(0.002 * torch.randn_like(param))
     original = SaguaroCandidateGenerator._backup_speculations
 
-    def free_backup(self, rows, backup):
-        before = self.backup_seconds
-        original(self, rows, backup)
-        self.backup_seconds = before + 1e-9 * bool(rows and backup == "draft")
+    def free_backup(self, rows, backup, phase="backup"):
+        before = self.timings.backup_seconds
+        original(self, rows, backup, phase)
+        self.timings.backup_seconds = before + 1e-9 * bool(rows and backup == "draft")
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "_backup_speculations", free_backup)
     ids, mask, _ = _batch([5, 7, 3, 6], seed=4)

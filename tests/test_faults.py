@@ -182,12 +182,12 @@ def test_ctrl_c_while_the_draft_works(pair, case, monkeypatch):
     original = SaguaroCandidateGenerator.prepare
     calls = []
 
-    def prepare(self, speculation):
+    def prepare(self, *args):
         calls.append(1)
         if len(calls) == 2:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             time.sleep(0.2)  # still drafting when the caller is interrupted
-        return original(self, speculation)
+        return original(self, *args)
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "prepare", prepare)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -201,7 +201,7 @@ def test_ctrl_c_while_the_draft_works(pair, case, monkeypatch):
     assert_clean_and_working(target, random_draft, ids, expected, "thread", threads_before)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_concurrent_generate_on_one_model(pair, executor):
     target, random_draft = pair
     prompts = [torch.randint(0, VOCAB, (1, 6 + i), generator=torch.Generator().manual_seed(30 + i))
@@ -252,9 +252,9 @@ def test_thread_counts_during_and_after(pair, case, monkeypatch, executor):
     original = SaguaroCandidateGenerator.prepare
     draft_seen = set()
 
-    def prepare(self, speculation):
+    def prepare(self, *args):
         draft_seen.add((threading.current_thread().name.startswith("hf-ssd-draft"), torch.get_num_threads()))
-        return original(self, speculation)
+        return original(self, *args)
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "prepare", prepare)
     processor = RecordThreads()

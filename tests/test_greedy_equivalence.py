@@ -16,7 +16,8 @@ from hf_ssd import SSDConfig, enable_ssd
 
 ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
 
-# (lookahead, fan-out, budget, backup, executor): together they cover every K/fan-out/backup/executor.
+# (lookahead, fan-out, budget, backup, executor): together they cover every K/fan-out/backup/executor, and every
+# backup under each executor.
 CASES = [
     (1, "geometric", 4, "draft", "thread"),
     (3, "geometric", 8, "ngram", "sync"),
@@ -24,6 +25,10 @@ CASES = [
     (2, [3, 1, 2], 6, "auto", "sync"),
     (5, "geometric", 20, "draft", "sync"),
     (3, "uniform", 1, "ngram", "thread"),
+    (2, "geometric", 6, "draft", "process"),
+    (4, "geometric", 12, "ngram", "process"),
+    (3, [2, 1, 1, 2], 6, "random", "process"),
+    (1, "uniform", 3, "auto", "process"),
 ]
 
 _PAIRS = {}
@@ -135,8 +140,9 @@ def _other_arch(name: str, layers: int):
     return model_cls(config_cls(**base, **extra))
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt2", "mixtral", "phi3"])
-def test_greedy_identical_on_other_architectures(name):
+def test_greedy_identical_on_other_architectures(name, executor):
     torch.manual_seed(0)
     target = enable_ssd(_other_arch(name, 2).eval())
     torch.manual_seed(1)
@@ -144,8 +150,8 @@ def test_greedy_identical_on_other_architectures(name):
     input_ids = torch.randint(0, 128, (1, 14), generator=torch.Generator().manual_seed(2))
     expected = _plain(target, input_ids, 30)
     for assistant in (target, draft):
-        out = target.generate(input_ids, assistant_model=assistant, ssd_config=SSDConfig(lookahead=3),
-                              max_new_tokens=30, do_sample=False)
-        assert torch.equal(out, expected)
+        out = target.generate(input_ids, assistant_model=assistant, max_new_tokens=30, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected) and target.ssd_metrics.executor == executor
         if assistant is target:
             assert target.ssd_metrics.cache_hits > 0

@@ -43,7 +43,7 @@ def run(pipe, target, text, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_pipeline_ssd_config_at_construction(setup, executor):
     target, draft, tok, expected, expected_text = setup
     config = SSDConfig(lookahead=3, executor=executor)

@@ -29,7 +29,7 @@ from hf_ssd.generation.verification import greedy_verify, residual_distribution
 
 
 def test_geometric_weights_match_theorem_12_example():
-    """a=0.8, r=1, K=7, B=24 → about [3.9, 3.5, 3.1, 2.8, 2.5, 2.2, 2.0, 4.0] (ssd-algorithm.md §4)."""
+    """a=0.8, r=1, K=7, B=24 → about [3.9, 3.5, 3.1, 2.8, 2.5, 2.2, 2.0, 4.0] (Theorem 12 of the paper)."""
     w = geometric_weights(0.8, 1.0, 7)
     scaled = [x * 24 / sum(w) for x in w]
     expected = [3.9, 3.5, 3.1, 2.8, 2.5, 2.2, 2.0, 4.0]
@@ -79,16 +79,16 @@ def test_estimator_adapts_acceptance_and_keeps_schedules_apart():
     est = FanoutEstimator("geometric", 12, 3, 1000, a_prior=0.5, r_prior=1.0)
     prior = est.schedules()
     for _ in range(50):
-        est.record_round("primary", 3, 3)  # everything accepted after cached speculations
-        est.record_round("backup", 0, 3)  # nothing after backup ones
-    assert est.acceptance("primary") > 0.9 and est.acceptance("backup") < 0.1
+        est.record_round("hit", 3, 3)  # everything accepted after cached speculations
+        est.record_round("miss", 0, 3)  # nothing after backup ones
+    assert est.acceptance("hit") > 0.9 and est.acceptance("miss") < 0.1
     sched = est.schedules()
-    assert sched["primary"][-1] > prior["primary"][-1]  # budget moves to "all accepted"
-    assert sched["backup"][0] >= 10  # and to k=0 after a backup
+    assert sched["hit"][-1] > prior["hit"][-1]  # budget moves to "all accepted"
+    assert sched["miss"][0] >= 10  # and to k=0 after a backup
     fixed = FanoutEstimator([1, 2, 3, 4], 10, 3, 1000, 0.5, 1.0)
-    assert fixed.schedule("primary") == [1, 2, 3, 4]
+    assert fixed.schedule("hit") == [1, 2, 3, 4]
     frozen = FanoutEstimator("geometric", 12, 3, 1000, 0.5, 1.0, adaptive=False)
-    frozen.record_round("primary", 3, 3)
+    frozen.record_round("hit", 3, 3)
     assert frozen.schedules() == prior
 
 
@@ -149,11 +149,13 @@ def test_speculation_cache_lookup_by_outcome():
     tokens = torch.arange(12).reshape(4, 3)
     probs = torch.rand(4, 3, 10)
     cache = SpeculationCache(torch.zeros(4, dtype=torch.long), forks, cands, tokens, probs)
-    assert len(cache) == 4 and (0, 1, 7) in cache and (0, 1, 9) not in cache
+    assert len(cache) == 4 and cache.keys() == [(0, 0, 7), (0, 0, 9), (0, 1, 7), (0, 2, 3)]
     hit = cache.lookup(0, 0, 9)
-    assert hit.tokens.tolist() == [3, 4, 5] and torch.equal(hit.probs, probs[1]) and hit.is_primary
-    assert cache.lookup(0, 2, 7) is None and cache.lookup(1, 0, 7) is None
-    assert cache.candidates_at(0, 0) == 2 and cache.candidates_at(0, 3) == 0
+    assert hit.tokens.tolist() == [3, 4, 5] and torch.equal(hit.probs, probs[1]) and hit.from_cache
+    assert cache.lookup(0, 2, 7) is None and cache.lookup(1, 0, 7) is None and cache.lookup(0, 1, 9) is None
+    partial = SpeculationCache(torch.zeros(4, dtype=torch.long), forks, cands, tokens, probs,
+                               valid=torch.tensor([True, False, True, True]))
+    assert len(partial) == 3 and partial.lookup(0, 0, 9) is None  # an unusable branch is never found
 
 
 # --- backups --------------------------------------------------------------------------------------------------------
@@ -208,3 +210,37 @@ def test_fork_candidates_mark_branches_a_tiny_vocabulary_cannot_fill():
     forks, cands, valid = fork_candidates(row_top, torch.tensor([[3]]), torch.tensor([[3, 1]]))
     assert forks.tolist() == [[0, 0, 0, 1]]
     assert valid.tolist() == [[True, True, False, True]] and cands[0, :2].tolist() == [1, 0]
+
+
+# --- realigning ragged rows ------------------------------------------------------------------------------------------
+
+
+def test_realign_rows_moves_every_row_input_with_the_tokens():
+    """Rows that emitted different counts are right-aligned again: tokens, attention mask, token types,
+    multimodal token types and KV all go through the same gather (padding gets mask 0 and type 0); a finished row
+    leaves."""
+    from transformers import DynamicCache
+
+    from hf_ssd.generation.target_rows import realign_rows
+
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 10, 11], [20, 21, 22, 23, 24, 25]])
+    kwargs = {
+        "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]),
+        "token_type_ids": ids % 2 + 1,
+        "mm_token_type_ids": ids % 3 + 1,
+    }
+    cache = DynamicCache()
+    cache.update(ids[:, :5, None, None].float().expand(3, 5, 1, 2).transpose(1, 2).contiguous(),
+                 ids[:, :5, None, None].float().expand(3, 5, 1, 2).transpose(1, 2).contiguous(), 0)
+    # row 0 keeps all 6 tokens, row 1 only its first 4 (it emitted two fewer), row 2 has finished
+    out = realign_rows(cache, kwargs, ids, keep_rows=[0, 1], id_lengths=[6, 4, 6])
+    assert out[0].tolist() == [0, 5, 6, 7, 8, 9] and out[1, 2:].tolist() == [1, 2, 3, 4]
+    mask = kwargs["attention_mask"]
+    assert mask.tolist() == [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]
+    for key, mod in (("token_type_ids", 2), ("mm_token_type_ids", 3)):
+        values = kwargs[key]
+        assert values.shape == (2, 6)
+        assert values[0].tolist() == (ids[0] % mod + 1).tolist()
+        assert values[1, 2:].tolist() == (ids[1, :4] % mod + 1).tolist() and values[1, :2].tolist() == [0, 0]
+    keys = cache.layers[0].keys[:, 0, :, 0]  # each slot's key holds its token id
+    assert keys.shape == (2, 5) and keys[0].tolist() == [0, 5, 6, 7, 8] and keys[1, 2:].tolist() == [1, 2, 3]

@@ -1,4 +1,5 @@
-"""Statistical tests: under sampling, SSD's output law is exactly the target's (ssd-algorithm.md §1, §5, §8).
+"""Statistical tests: under sampling, SSD's output law is exactly the target's (Leviathan et al.'s rule; the paper's
+Definition 14 for Saguaro sampling).
 
 Two levels, every comparison a Pearson chi-square test at a fixed seed (bins expected below 5 pooled):
 - pure parts: `sampling_verify` on 20 000 rows at once against closed-form laws, with plain, Saguaro-rescaled,
@@ -39,7 +40,7 @@ PROMPT = [0, 1, 2, 0, 1]  # repeats, so the n-gram backup finds matches
 # probability >= 0.9 the joint test (20-27 bins after pooling) rejects a law whose chi-square distance
 # sum (P' - P)^2 / P to the target's exceeds ~0.11 (noncentrality 600 * 0.11 = 66), a 5-bin marginal test one
 # beyond ~0.07 (any TV >= 0.13). The end-to-end negative controls below are rejected decisively: Saguaro tokens
-# verified with the vanilla q (§5; TV ~0.15) at min p 1e-11..1e-24 over six seeds, a hit-path q misalignment at
+# verified with the vanilla q (TV ~0.15) at min p 1e-11..1e-24 over six seeds, a hit-path q misalignment at
 # 1e-14..1e-41 with half the samples. Smaller law errors are the unit tests' job (20 000 rows: a first-token TV of
 # 0.057 is rejected at p ~ 1e-35 or below). All six configurations at 5 000 samples each: smallest of the nine
 # p-values 7.7e-4..0.23 per configuration; the lowest ones, rerun at 15 000-20 000 samples, came out >= 0.03.
@@ -218,7 +219,7 @@ def test_negative_control_wrong_q_is_rejected(wrong):
     """
     p = random_dist(3, VOCAB, seed=1)
     q_draft = random_dist(2, VOCAB, seed=2)
-    if wrong == "vanilla_q_for_saguaro_tokens":  # the §5 pitfall: Saguaro sampling, vanilla q in verification
+    if wrong == "vanilla_q_for_saguaro_tokens":  # Saguaro's pitfall: rescaled sampling, vanilla q in verification
         q_sampled, q_verified = _saguaro_q(2, 0.3), _saguaro_q(2, 1.0)
     elif wrong == "saguaro_c_off_by_0.1":
         q_sampled, q_verified = _saguaro_q(2, 0.3), _saguaro_q(2, 0.4)
@@ -361,6 +362,8 @@ E2E_CONFIGS = [
     pytest.param("random", 2, 4, 1.0, "random", "thread", TEMPERATURE, id="rand-C1-random-thread"),
     pytest.param("random", 2, 4, 0.3, "draft", "thread", TEMPERATURE, id="rand-C0.3-draft-thread"),
     pytest.param("random", 3, 6, 0.5, "ngram", "sync", WARPED, id="rand-C0.5-ngram-sync-warped"),
+    pytest.param("self", 2, 4, 0.05, "draft", "process", TEMPERATURE, id="self-C0.05-draft-process"),
+    pytest.param("random", 2, 4, 0.5, "random", "process", WARPED, id="rand-C0.5-random-process-warped"),
 ]
 
 
@@ -414,17 +417,49 @@ def test_negative_control_hit_path_q_misaligned_is_rejected(models, monkeypatch)
     assert hits > 0 and min(pvalues.values()) < REJECT, pvalues
 
 
+@pytest.mark.parametrize("part", ["hit", "miss"])
+def test_negative_control_q_corrupted_at_the_process_boundary(models, monkeypatch, part):
+    """Power check of the process executor's transport: speculations read back from the worker's shared buffers
+    with their q corrupted (a hit's two steps swapped; a miss's one-hot n-gram q made uniform) are rejected."""
+    from hf_ssd.runtime.process import ProcessExecutor
+
+    read = ProcessExecutor._speculations
+
+    def corrupted(self, slot, count):
+        out = read(self, slot, count)
+        for resolution in out:
+            spec = resolution.speculation
+            if part == "hit" and spec.source == "cache":
+                spec.probs = spec.probs.flip(0).clone()
+            elif part == "miss" and spec.source != "cache":
+                spec.probs = torch.full_like(spec.probs, 1.0 / spec.probs.shape[-1])
+        return out
+
+    monkeypatch.setattr(ProcessExecutor, "_speculations", corrupted)
+    target = models["target"]
+    if part == "hit":
+        config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.05, backup="ngram", executor="process")
+        draft = target
+    else:
+        config = SSDConfig(lookahead=2, fanout_budget=4, backup="ngram", executor="process")
+        draft = models["random"]
+    counts, hits, misses = ssd_samples(target, draft, config, TEMPERATURE, seed=2024, samples=SAMPLES // 2)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"process {part}-path negative control p-values {pvalues}, hits {hits}, misses {misses}")
+    assert min(pvalues.values()) < REJECT, pvalues
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("backup", ["draft", "ngram"])
 def test_sampling_is_reproducible_and_executor_independent(backup, rows):
-    """The same seed gives the same sampled tokens under both executors (per-round draft seeds), for a fixed
+    """The same seed gives the same sampled tokens under every executor (per-round draft seeds), for a fixed
     backup. (`backup="auto"` decides from measured latencies, so which backup runs may vary between runs.)"""
     target, draft = tiny_pair("llama", seed=31)
     input_ids = torch.randint(0, 96, (rows, 6), generator=torch.Generator().manual_seed(0))
     outputs = []
-    for executor in ("thread", "sync", "thread"):
+    for executor in ("thread", "sync", "process", "thread"):
         torch.manual_seed(123)
         config = SSDConfig(lookahead=3, saguaro_c=0.5, executor=executor, backup=backup)
         outputs.append(target.generate(input_ids, assistant_model=draft, do_sample=True, max_new_tokens=30,
                                        ssd_config=config, pad_token_id=0))
-    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])

@@ -191,7 +191,7 @@ def test_round_breakdown_cpu_threads():
     assert br["ssd_mean_round"] == pytest.approx(0.86 * hit + 0.14 * (hit + 100))
 
 
-# --- sanity check: cpu-performance.md "What the speed model predicts" ------------------------------------------
+# --- sanity check: the speed model on the measured int8 Qwen pair ----------------------------------------------
 # Assumptions (not in the doc): per-position conditional acceptance [0.85, 0.69, 0.69, ...] (0.85 reproduces
 # SD 1.23x at K=1; 0.69 after it is consistent with the 2x-draft and limit figures); AR = one target forward
 # (211 ms); two torch threads overlap at 0.9 efficiency (doc's "Threads"); no per-round overhead; this

@@ -51,7 +51,7 @@ def ssd(target, draft, ids, executor="thread", lookahead=3, **kwargs):
                            do_sample=False, **kwargs)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 @pytest.mark.parametrize("lookahead", [2, 3])
 def test_max_new_tokens_not_a_multiple_of_round(pair, plain, executor, lookahead):
     target, _ = pair
@@ -67,7 +67,7 @@ def test_max_new_tokens_not_a_multiple_of_round(pair, plain, executor, lookahead
     assert out[0, ids.shape[1]:].tolist() == tokens[:6]
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_single_eos_stops_at_same_token(pair, plain, executor):
     target, _ = pair
     ids, tokens = plain
@@ -81,7 +81,7 @@ def test_single_eos_stops_at_same_token(pair, plain, executor):
             assert target.ssd_metrics.generated_tokens == at + 1
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_several_eos_ids_stop_at_first(pair, plain, executor):
     target, _ = pair
     ids, tokens = plain
@@ -116,7 +116,7 @@ def test_several_eos_ids_stop_at_first(pair, plain, executor):
         target.generation_config.eos_token_id = None
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_stop_strings_stop_at_same_token(pair, plain, executor):
     target, _ = pair
     ids, tokens = plain
@@ -144,7 +144,7 @@ class StopOnToken(StoppingCriteria):
         return done.to(torch.bool)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_custom_stopping_criteria(pair, plain, executor):
     target, _ = pair
     ids, tokens = plain
@@ -172,7 +172,7 @@ class Recorder(BaseStreamer):
         self.ends += 1
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_streamer_receives_each_emitted_token_once(pair, plain, executor):
     target, _ = pair
     ids, tokens = plain
@@ -206,7 +206,7 @@ def test_text_streamer_prints_the_output(pair, plain, capsys):
         assert tok.decode(out[0, ids.shape[1]:]) == expected
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_text_iterator_streamer_in_a_thread(pair, plain, executor):
     target, _ = pair
     ids, tokens = plain
@@ -232,7 +232,7 @@ def test_text_iterator_streamer_in_a_thread(pair, plain, executor):
         assert tok.decode(result["out"][0, ids.shape[1]:]) == tok.decode(tokens)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
 def test_min_new_tokens_defers_eos_like_plain(pair, plain, executor):
     """EOS inside the first min_new_tokens is suppressed per position, then stops at its next occurrence."""
     target, _ = pair
@@ -268,3 +268,61 @@ def test_refused_call_ends_the_streamer(pair, plain, overrides):
     with pytest.raises(ValueError):
         target.generate(ids, streamer=recorder, **kwargs)
     assert recorder.ends == (1 if recorder.puts else 0)
+
+
+class ClientGone(RuntimeError):
+    pass
+
+
+class FailingStreamer(BaseStreamer):
+    """A consumer that goes away: `put()` raises from its `fail_from`-th call on (and `end()` too, if asked)."""
+
+    def __init__(self, fail_from: int, end_fails: bool = False):
+        self.fail_from, self.end_fails = fail_from, end_fails
+        self.calls, self.ends, self.received = 0, 0, []
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls >= self.fail_from:
+            raise ClientGone(f"put #{self.calls}")
+        self.received.append(value.tolist())
+
+    def end(self):
+        self.ends += 1
+        if self.end_fails:
+            raise ClientGone("end")
+
+
+@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
+def test_a_failing_put_is_not_retried_and_its_error_surfaces(pair, plain, executor):
+    """Once `put()` raised, SSD stops calling it (as plain decoding does), the original error reaches the caller
+    (not a retry's, not `end()`'s), `end()` is still called once, and nothing was sent twice."""
+    target, draft = pair
+    ids, tokens = plain
+    for fail_from in (2, 3):
+        for end_fails in (False, True):
+            streamer = FailingStreamer(fail_from, end_fails)
+            with pytest.raises(ClientGone, match=f"^put #{fail_from}$"):
+                ssd(target, draft, ids, executor, streamer=streamer)
+            assert streamer.calls == fail_from and streamer.ends == 1
+            streamed = [t for block in streamer.received[1:] for t in (block if isinstance(block, list) else [block])]
+            assert streamed == tokens[: len(streamed)]  # a prefix of the output, each token once
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_empty_prompt_is_refused_before_any_work(pair, executor):
+    target, draft = pair
+    forwards = []
+    hooks = [m.register_forward_hook(lambda *a: forwards.append(1)) for m in (target, draft)]
+    try:
+        for ids in (torch.zeros(1, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+            with pytest.raises(ValueError, match="at least one token"):
+                ssd(target, draft, ids, executor, pad_token_id=0)
+        padded = torch.zeros(2, 4, dtype=torch.long)
+        with pytest.raises(ValueError, match="padding only"):
+            ssd(target, draft, padded, executor, pad_token_id=0,
+                attention_mask=torch.tensor([[0, 0, 0, 0], [0, 0, 1, 1]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert forwards == []

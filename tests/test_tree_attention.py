@@ -17,7 +17,6 @@ from hf_ssd.cache.tree_attention import (
     tree_step_visibility,
 )
 from hf_ssd.generation.candidate_generator import SaguaroCandidateGenerator
-from hf_ssd.generation.fanout import FanoutEstimator
 
 
 def test_tree_visibility_follows_each_rows_main_path():
@@ -106,8 +105,53 @@ def test_tree_step_logits_match_independent_branches(arch):
                     seq = prefixes[r] + glues[r][: int(forks[r, b]) + 1] + history[r][b]
                     torch.testing.assert_close(logits[r, b], _reference_logits(model, seq), atol=2e-5, rtol=1e-4)
             current = logits.argmax(-1)
-    cache.crop(main)
-    assert len(cache) == main and cache.kv.get_seq_length() == main
+        # dropping the tree scratch moves nothing (every row keeps its whole main path); the cache then goes on
+        cache.keep(torch.arange(len(cache))[None].expand(2, -1) < main)
+        assert len(cache) == main and cache.kv.get_seq_length() == main
+        nxt = torch.randint(0, 96, (2, 1))
+        logits = cache.forward(nxt, glue_start[:, None] + 4, causal_visibility(cache.valid, 1))
+        for r in range(2):
+            torch.testing.assert_close(logits[r, 0], _reference_logits(model, prefixes[r] + glues[r] + [int(nxt[r])]),
+                                       atol=2e-5, rtol=1e-4)
+
+
+def test_keep_moves_only_the_tail_and_compacts_holes():
+    """`DraftCache.keep` leaves the slots before the first dropped one in place and packs the rest; once holes
+    would widen the cache by more than `max_holes` columns it compacts everything; the KV follows the slots."""
+    model = tiny_model("llama", layers=1, seed=3)
+    cache = DraftCache(model, rows=2)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(5))
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, :3] = False  # row 1: three slots of left padding
+    positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        cache.forward(ids, positions, causal_visibility(cache.valid, 10, valid), valid=valid)
+    keys = cache.kv.layers[0].keys.clone()
+    keep = torch.ones(2, 10, dtype=torch.bool)
+    keep[0, 6] = keep[1, 8] = False  # each row drops one slot
+    cache.keep(keep)
+    assert len(cache) == 9  # slots 0..5 stay; row 0 keeps 7..9, row 1 keeps 6, 7, 9 behind them
+    assert cache.positions[0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9]
+    assert cache.positions[1, 3:].tolist() == [0, 1, 2, 3, 4, 6] and not cache.valid[1, :3].any()
+    torch.testing.assert_close(cache.kv.layers[0].keys[0, :, 6:], keys[0, :, 7:])
+    torch.testing.assert_close(cache.kv.layers[0].keys[1, :, 6:8], keys[1, :, 6:8])
+    torch.testing.assert_close(cache.kv.layers[0].keys[1, :, 8], keys[1, :, 9])
+
+    holes = DraftCache(model, rows=2)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[0, :2] = valid[1, :3] = False  # both rows padded: a full compaction could drop 2 columns
+    positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        holes.forward(ids, positions, causal_visibility(holes.valid, 10, valid), valid=valid)
+    hole_keys = holes.kv.layers[0].keys.clone()
+    keep = holes.valid.clone()
+    keep[:, 8] = False
+    holes.keep(keep, max_holes=2)
+    assert len(holes) == 9 and holes.valid.sum(dim=1).tolist() == [7, 6]  # partial: the padding stays
+    holes.keep(holes.valid.clone(), max_holes=1)  # nothing dropped, but 2 removable columns > 1
+    assert len(holes) == 7 and holes.valid[0].all() and holes.positions[0].tolist() == [0, 1, 2, 3, 4, 5, 7]
+    torch.testing.assert_close(holes.kv.layers[0].keys[0, :, :6], hole_keys[0, :, 2:8])
+    torch.testing.assert_close(holes.kv.layers[0].keys[0, :, 6], hole_keys[0, :, 9])
 
 
 def _check_branches(drafter, model, contexts, speculations):
@@ -115,7 +159,7 @@ def _check_branches(drafter, model, contexts, speculations):
     k = drafter.lookahead
     spec_cache = drafter.spec_cache
     assert spec_cache is not None and len(spec_cache) == len(contexts) * drafter.config.branches
-    for (row, fork, bonus), index in spec_cache._index.items():
+    for row, fork, bonus in spec_cache.keys():
         drafted = speculations[row].tokens.tolist()
         if fork < k:
             assert bonus != drafted[fork]  # the drafted token itself is never a bonus candidate
@@ -125,7 +169,7 @@ def _check_branches(drafter, model, contexts, speculations):
             token = int(_reference_logits(model, seq).argmax())
             expected.append(token)
             seq = seq + [token]
-        assert spec_cache.tokens[index].tolist() == expected, (row, fork, bonus)
+        assert spec_cache.lookup(row, fork, bonus).tokens.tolist() == expected, (row, fork, bonus)
 
 
 def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +190,7 @@ def test_prepared_branches_equal_sequential_greedy_drafts(arch):
     model = tiny_model(arch, layers=2, seed=4)
     k = 3
     config = SSDConfig(lookahead=k, fanout=[2, 1, 1, 2], backup="ngram")
-    estimator = FanoutEstimator(config.fanout, config.branches, k, 96, 0.7, 1.0)
-    drafter = SaguaroCandidateGenerator(model, config, False, [], 96, estimator)
+    drafter = SaguaroCandidateGenerator(model, config, vocab_size=96)
     torch.manual_seed(1)
     contexts = [torch.randint(0, 96, (11,)).tolist(), torch.randint(0, 96, (6,)).tolist()]
     ids, mask = _padded(contexts)
@@ -161,7 +204,7 @@ def test_prepared_branches_equal_sequential_greedy_drafts(arch):
                 seq = seq + [token]
         drafter.prepare(first)
         _check_branches(drafter, model, contexts, first)
-        hit_key = next(key for key in drafter.spec_cache._index if key[0] == 0)
+        hit_key = next(key for key in drafter.spec_cache.keys() if key[0] == 0)
         outcomes = [(hit_key[1], hit_key[2]), (k, 95)]
         found = drafter.spec_cache.lookup(1, k, 95)
         if found is not None:  # make row 1 miss for sure
@@ -180,22 +223,23 @@ def test_prepared_branches_equal_sequential_greedy_drafts(arch):
 def test_resolve_commits_outcome_and_returns_hit_or_backup():
     model = tiny_model("llama", layers=1, seed=5)
     config = SSDConfig(lookahead=2, fanout=[3, 0, 0], backup="random")
-    estimator = FanoutEstimator(config.fanout, config.branches, 2, 96, 0.7, 1.0)
-    drafter = SaguaroCandidateGenerator(model, config, False, [], 96, estimator)
+    drafter = SaguaroCandidateGenerator(model, config, vocab_size=96)
     prompt = torch.arange(1, 9)[None]
     with torch.no_grad():
         first = drafter.begin(prompt, None)
         drafter.prepare(first)
-        key = next(iter(drafter.spec_cache._index))
+        key = drafter.spec_cache.keys()[0]
         [hit] = drafter.resolve([(0, key[2])], verified=2)
-        assert hit.hit and hit.candidates == 3 and hit.speculation.source == "cache"
+        assert hit.hit and hit.speculation.source == "cache"
+        assert dict(drafter.estimator.hits_by_f) == {3: [1, 1]}  # found among the 3 branches of its fork
         assert drafter.contexts[0] == prompt[0].tolist() + [key[2]]
         # committed tokens except the newest, then the hit branch's tree KV: [bonus, s'_1]
         assert len(drafter.cache) == prompt.shape[1] + 2 and bool(drafter.cache.valid.all())
         assert drafter.cache.positions[0, -2:].tolist() == [8, 9]
         drafter.prepare([hit.speculation])
         [miss] = drafter.resolve([(2, 95 if key[2] != 95 else 94)], verified=2)
-        assert not miss.hit and miss.candidates == 0 and miss.speculation.source == "random"
+        assert not miss.hit and miss.speculation.source == "random"
+        assert dict(drafter.estimator.hits_by_f) == {3: [1, 1]}  # nothing was prepared at k=2: no lookup counted
         assert len(drafter.cache) == prompt.shape[1] + 3  # a random backup leaves no KV behind
         assert isinstance(miss.speculation, Speculation) and miss.speculation.tokens.shape == (2,)
 
@@ -203,8 +247,7 @@ def test_resolve_commits_outcome_and_returns_hit_or_backup():
 def test_resolve_drops_finished_rows_and_bounds_the_cache():
     model = tiny_model("llama", layers=1, seed=5)
     config = SSDConfig(lookahead=2, fanout_budget=3, backup="draft")
-    estimator = FanoutEstimator(config.fanout, config.branches, 2, 96, 0.7, 1.0)
-    drafter = SaguaroCandidateGenerator(model, config, False, [], 96, estimator)
+    drafter = SaguaroCandidateGenerator(model, config, vocab_size=96)
     ids, mask = _padded([list(range(1, 9)), list(range(20, 23)), list(range(30, 35))])
     with torch.no_grad():
         specs = drafter.begin(ids, mask)
@@ -227,32 +270,30 @@ def test_resolve_drops_finished_rows_and_bounds_the_cache():
 def test_tree_stops_once_the_announced_outcome_is_not_prepared():
     model = tiny_model("llama", layers=1, seed=6)
     config = SSDConfig(lookahead=3, fanout=[2, 1, 1, 0])  # nothing prepared for "all three accepted"
-    estimator = FanoutEstimator(config.fanout, config.branches, 3, 96, 0.7, 1.0)
-    drafter = SaguaroCandidateGenerator(model, config, False, [], 96, estimator)
+    drafter = SaguaroCandidateGenerator(model, config, vocab_size=96)
     with torch.no_grad():
         first = drafter.begin(torch.arange(1, 8)[None], None)
         drafter.announce([(3, 5)])
         drafter.prepare(first)
         assert drafter.spec_cache is None and drafter.skipped_tree_steps == 3
         [miss] = drafter.resolve([(3, 5)], verified=3)
-        assert not miss.hit and miss.candidates == 0
+        assert not miss.hit and dict(drafter.estimator.hits_by_f) == {}  # F_3 = 0: nothing to look up
         drafter.announce([(0, int(miss.speculation.tokens[0]))])  # a rejected draft token is never prepared
         drafter.prepare([miss.speculation])
         assert drafter.spec_cache is None and drafter.skipped_tree_steps == 6
         [again] = drafter.resolve([(0, int(miss.speculation.tokens[0]) + 1)], verified=3)
-        assert not again.hit and again.candidates == 2
+        assert not again.hit and dict(drafter.estimator.hits_by_f) == {2: [0, 1]}  # a miss among F_0 = 2 branches
 
 
 def test_tree_keeps_going_while_any_row_can_hit():
     model = tiny_model("llama", layers=1, seed=6)
     config = SSDConfig(lookahead=3, fanout=[2, 1, 1, 0])
-    estimator = FanoutEstimator(config.fanout, config.branches, 3, 96, 0.7, 1.0)
-    drafter = SaguaroCandidateGenerator(model, config, False, [], 96, estimator)
+    drafter = SaguaroCandidateGenerator(model, config, vocab_size=96)
     ids, mask = _padded([list(range(1, 8)), list(range(40, 45))])
     with torch.no_grad():
         first = drafter.begin(ids, mask)
         drafter.prepare(first)
-        key = next(key for key in drafter.spec_cache._index if key[0] == 1)
+        key = next(key for key in drafter.spec_cache.keys() if key[0] == 1)
         drafter.announce([(3, 5), key[1:]])  # row 0 cannot hit, row 1 can
         drafter.prepare(first)
     assert drafter.spec_cache is not None and drafter.skipped_tree_steps == 0
@@ -266,8 +307,7 @@ def test_candidate_generator_interface_in_transformers_own_loop(monkeypatch, sel
     target, draft = tiny_pair("llama", seed=41)
     draft = target if self_draft else draft
     config = SSDConfig(lookahead=3, fanout_budget=6)
-    estimator = FanoutEstimator(config.fanout, config.branches, 3, 96, 0.7, 1.0)
-    drafter = SaguaroCandidateGenerator(draft, config, False, [], 96, estimator)
+    drafter = SaguaroCandidateGenerator(draft, config, vocab_size=96)
     monkeypatch.setattr(target, "_get_candidate_generator", lambda **kwargs: drafter)
     input_ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(3))
     expected = target.generate(input_ids, max_new_tokens=30, do_sample=False)

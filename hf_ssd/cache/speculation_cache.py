@@ -1,4 +1,8 @@
-"""The outcome-keyed speculation cache: (row, accepted k, bonus token) -> the next speculation."""
+"""The outcome-keyed speculation cache: (row, accepted k, bonus token) -> the next speculation.
+
+Vocabulary (shared with the metrics and the fan-out estimator): looking an outcome up is a **hit** or a **miss**; a
+speculation's `source` is `CACHE` after a hit, else the name of the backup that drafted it (`BACKUP_SOURCES`).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,22 @@ from dataclasses import dataclass
 
 import torch
 
+CACHE = "cache"
+BACKUP_SOURCES = ("draft", "ngram", "random")
+SOURCES = (CACHE, *BACKUP_SOURCES)
+
+
+def lookup_kind(source: str) -> str:
+    """"hit" for a speculation found in the cache, "miss" for one a backup drafted."""
+    return "hit" if source == CACHE else "miss"
+
 
 @dataclass
 class Speculation:
     """K draft tokens for one row, the distributions q they were sampled from, and where they came from.
 
     `probs` is None under greedy decoding (q is one-hot and verification only compares tokens).
-    `source` is "cache" for a prepared branch, else the backup's name ("draft", "ngram", "random").
+    `source` is `CACHE` for a prepared branch, else the backup's name ("draft", "ngram", "random").
     `row_top` [K, W], when set, holds the top-W draft tokens after [t_prev, s_1..s_j] for j < K, and means the
     draft cache already holds the KV of [t_prev, s_1..s_{K-1}] on the row's main path: the next glue forward
     then only has to run s_K.
@@ -26,8 +39,8 @@ class Speculation:
     slots: torch.Tensor | None = None
 
     @property
-    def is_primary(self) -> bool:
-        return self.source == "cache"
+    def from_cache(self) -> bool:
+        return self.source == CACHE
 
 
 class SpeculationCache:
@@ -45,28 +58,22 @@ class SpeculationCache:
         keys = torch.stack([rows, forks, candidates], dim=1).tolist()
         usable = [True] * len(keys) if valid is None else valid.tolist()
         self._index = {tuple(key): i for i, (key, ok) in enumerate(zip(keys, usable)) if ok}
-        keys = [key for key, ok in zip(keys, usable) if ok]
         self.tokens, self.probs, self.row_top, self.slots = tokens, probs, row_top, slots
-        self.fanout_per_key: dict[tuple[int, int], int] = {}
-        for row, fork, _ in keys:
-            self.fanout_per_key[(row, fork)] = self.fanout_per_key.get((row, fork), 0) + 1
 
     def __len__(self) -> int:
         return len(self._index)
 
-    def __contains__(self, key: tuple[int, int, int]) -> bool:
-        return tuple(key) in self._index
-
-    def candidates_at(self, row: int, fork: int) -> int:
-        """How many branches were prepared for outcomes with `fork` accepted tokens in `row`."""
-        return self.fanout_per_key.get((row, fork), 0)
+    def keys(self) -> list[tuple[int, int, int]]:
+        """The (row, accepted k, bonus) outcomes prepared, in branch order."""
+        return list(self._index)
 
     def lookup(self, row: int, accepted: int, bonus: int) -> Speculation | None:
         """The speculation prepared for this outcome, or None on a miss."""
         i = self._index.get((row, accepted, bonus))
         if i is None:
             return None
+
         def pick(t):
             return None if t is None else t[i]
 
-        return Speculation(self.tokens[i], pick(self.probs), "cache", pick(self.row_top), pick(self.slots))
+        return Speculation(self.tokens[i], pick(self.probs), CACHE, pick(self.row_top), pick(self.slots))

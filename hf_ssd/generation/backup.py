@@ -80,25 +80,26 @@ def choose_backup(
 
 
 class AutoBackup:
-    """`backup="auto"`: re-decides before every lookup by Corollary 16 from the run's measurements (a
-    `MetricsRecorder` and the drafter's timings), for the current number of rows."""
+    """The backup for the next lookup: the configured one, or for `backup="auto"` a decision by Corollary 16 before
+    every lookup from the run's measurements (a `MetricsRecorder` and the drafter's `DraftTimings`), for the current
+    number of rows."""
 
-    def __init__(self, enabled: bool, default: str):
-        self.enabled = enabled
-        self.choice = default
+    def __init__(self, backup: str):
+        self.enabled = backup == "auto"
+        self.choice = "draft" if self.enabled else backup  # until something is measured: the just-in-time draft
         self.decision: dict = {}
         self.by_batch_size: dict[int, str] = {}  # the last choice made at each number of active rows
 
-    def decide(self, recorder, drafter, rows: int) -> str:
+    def decide(self, recorder, timings, rows: int) -> str:
         if not self.enabled:
             return self.choice
         verify = recorder.decode_verify_seconds()  # the first verification also holds the prefill
-        if drafter.backup_calls == 0 or recorder.lookups == 0 or verify <= 0:
+        if timings.backup_calls == 0 or recorder.lookups == 0 or verify <= 0:
             return self.choice  # nothing measured yet: the just-in-time draft (best at batch 1)
         e_hit = recorder.tokens_per_round("cache")
         e_miss = recorder.tokens_per_round("draft")
-        t_p = drafter.prepare_seconds / max(drafter.prepare_calls, 1) / verify
-        t_b = drafter.backup_seconds / drafter.backup_calls / verify
+        t_p = timings.prepare_seconds / max(timings.prepare_calls, 1) / verify
+        t_b = timings.backup_seconds / timings.backup_calls / verify
         p_hit = recorder.hits / recorder.lookups
         fast_tokens = recorder.tokens_per_round(FAST_BACKUP) or 1.0
         if e_hit <= 0:

@@ -16,7 +16,7 @@ so it can serve the stock assisted-decoding loop synchronously.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -31,12 +31,13 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from ..cache.alignment import compact
 from ..cache.draft_cache import DraftCache
-from ..cache.speculation_cache import Speculation, SpeculationCache
+from ..cache.speculation_cache import Speculation, SpeculationCache, lookup_kind
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
+from ..metrics import PhaseTimer
 from .backup import backup_speculation
+from .checks import model_vocab_size
 from .fanout import FanoutEstimator, fork_candidates
 from .saguaro import draft_probs
 
@@ -55,11 +56,39 @@ SAMPLING_WARPERS = (
 
 @dataclass
 class Resolution:
-    """The speculation for a row's next round and how it was found."""
+    """The speculation for a row's next round, and whether it was found in the cache (a hit)."""
 
     speculation: Speculation
     hit: bool
-    candidates: int  # branches that had been prepared at the outcome's fork
+
+
+@dataclass
+class DraftTimings:
+    """Running totals of the draft's work that `backup="auto"` decides from (T_p and T_b)."""
+
+    prepare_calls: int = 0
+    prepare_seconds: float = 0.0  # glue + fork + tree
+    backup_calls: int = 0
+    backup_seconds: float = 0.0  # just-in-time draft backups
+
+
+@dataclass
+class DraftReport:
+    """What the drafter tells the metrics once a generation ends. Plain data: it may cross processes."""
+
+    fanout_schedule: dict[str, list[int]]
+    acceptance_estimate: dict[str, float]
+    power_law_estimate: float
+    hits_by_fanout: dict[int, list[int]]
+    tree_steps_skipped: int
+    draft_compact_seconds: float
+    peak_draft_kv_bytes: int
+    draft_phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def sampling_warpers(logits_processor) -> list:
+    """The processors among `logits_processor` that the draft applies to q too (see `SAMPLING_WARPERS`)."""
+    return [p for p in (logits_processor or []) if isinstance(p, SAMPLING_WARPERS)]
 
 
 class SaguaroCandidateGenerator(CandidateGenerator):
@@ -67,39 +96,45 @@ class SaguaroCandidateGenerator(CandidateGenerator):
 
     Args:
         draft_model: the draft (assistant) model; must share the target's vocabulary.
-        ssd_config: the SSD configuration.
+        ssd_config: the SSD configuration (K, fan-out, Saguaro C, backup).
         do_sample: whether the target samples (q matters) or decodes greedily (q is one-hot).
         logits_processor: the target's processors; the sampling warpers among them shape q as well.
-        vocab_size: the shared vocabulary size.
-        estimator: the fan-out estimator shared with the decoding loop.
-        generator: the draft's own random generator (on the draft's device).
-        check: called between draft forwards; raises to abandon work (see `DraftRuntime.check`).
+        vocab_size: the shared vocabulary size (default: the draft's).
+        seed: seeds the draft's random generator (default: drawn from torch's global generator).
+        check: called between draft forwards; raises to abandon the task (the executor's cancellation).
+        announced: returns the verification outcomes of the round being prepared once the target knows them, else
+            None; read between tree steps (default: what `announce` was last given).
     """
 
     def __init__(
         self,
         draft_model: torch.nn.Module,
         ssd_config: SSDConfig,
-        do_sample: bool,
-        logits_processor,
-        vocab_size: int,
-        estimator: FanoutEstimator,
-        generator: torch.Generator | None = None,
+        do_sample: bool = False,
+        logits_processor=None,
+        vocab_size: int | None = None,
+        seed: int | None = None,
         check=None,
+        announced=None,
     ):
         self.model = draft_model
         self.config = ssd_config
         self.lookahead = ssd_config.lookahead
         self.do_sample = do_sample
-        self.warpers = [p for p in (logits_processor or []) if isinstance(p, SAMPLING_WARPERS)]
-        self.vocab_size = vocab_size
-        self.estimator = estimator
+        self.warpers = sampling_warpers(logits_processor)
+        self.vocab_size = vocab_size or model_vocab_size(draft_model)
+        self.estimator = FanoutEstimator.from_config(ssd_config, self.vocab_size)
         self.device = draft_model.device
-        self.generator = generator if generator is not None else torch.Generator(device=self.device)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.check = check or (lambda: None)
+        self._announced = announced
         self.backup = "draft" if ssd_config.backup == "auto" else ssd_config.backup
-        self.cache = DraftCache(draft_model)
-        self.schedules = estimator.schedules()
+        self.clock = PhaseTimer()  # the draft side's critical path (see `SSDMetrics.draft_phase_seconds`)
+        self.timings = DraftTimings()
+        self.cache = DraftCache(draft_model, timer=self.clock)
+        self.schedules = self.estimator.schedules()
         self.contexts: list[list[int]] = []  # per row: committed tokens, t_prev included (for the n-gram backup)
         self.glue_start = torch.zeros(0, dtype=torch.long, device=self.device)  # [b] logical position of t_prev
         self.t_prev = torch.zeros(0, dtype=torch.long, device=self.device)  # [b]
@@ -109,14 +144,9 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.fanout_in_use: list[list[int]] = []  # per row: the fan-out of the round being prepared
         self.outcomes: list[tuple[int, int]] | None = None  # per row (accepted, bonus), once verification is done
         self.skipped_tree_steps = 0
-        self.backup_seconds = 0.0  # wall time of just-in-time draft backups (T_b for the auto backup)
-        self.backup_calls = 0
-        self.prepare_seconds = 0.0  # wall time of glue + fork + tree (T_p)
-        self.prepare_calls = 0
-        self.compact_seconds = 0.0  # wall time of the per-round draft-cache compaction in `resolve`
-        self.peak_cache_bytes = 0  # largest draft KV held after a compaction (measured on the draft's own thread)
+        self.peak_cache_bytes = 0  # largest draft KV held after a compaction (measured where the draft runs)
         self._round = 0
-        self._base_seed = self.generator.initial_seed()
+        self._base_seed = seed
         self._last_accepted: int | None = None
 
     @property
@@ -133,7 +163,9 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         return tokens.reshape(logits.shape[:-1]), probs.reshape(logits.shape)
 
     def _saguaro_top(self, kind: str, position: int) -> int:
-        """Candidates to down-weight at speculation position `position` (1-based): F_{position-1} plus the draft."""
+        """Candidates to down-weight at speculation position `position` (1-based): F_{position-1} plus the draft,
+        where F is the schedule that will follow the speculation's verification (`kind`: "hit" for a tree branch,
+        "miss" for a backup's)."""
         return self.schedules[kind][position - 1] + 1
 
     def _reseed(self, phase: int) -> None:
@@ -143,36 +175,59 @@ class SaguaroCandidateGenerator(CandidateGenerator):
 
     def announce(self, outcomes: list[tuple[int, int]] | None) -> None:
         """Tell a running `prepare` each row's verified (accepted, bonus); it stops once no row's outcome is
-        prepared. Called from the decoding loop's thread; a plain attribute write, read between tree steps."""
+        prepared. May be called from another thread: a plain attribute write, read between tree steps."""
         self.outcomes = outcomes
+
+    def announced_outcomes(self) -> list[tuple[int, int]] | None:
+        return self._announced() if self._announced is not None else self.outcomes
+
+    def report(self) -> DraftReport:
+        """The figures of this generation the metrics keep."""
+        return DraftReport(
+            fanout_schedule={kind: list(f) for kind, f in self.schedules.items()},
+            acceptance_estimate={kind: self.estimator.acceptance(kind) for kind in self.schedules},
+            power_law_estimate=self.estimator.power(),
+            hits_by_fanout={f: list(v) for f, v in sorted(self.estimator.hits_by_f.items())},
+            tree_steps_skipped=self.skipped_tree_steps,
+            draft_compact_seconds=self.clock.seconds.get("compact", 0.0),
+            peak_draft_kv_bytes=self.peak_cache_bytes,
+            draft_phase_seconds=self.clock.totals(),
+        )
 
     # --- round protocol ---------------------------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Speculation]:
         """Prefill the left-padded prompts [b, T] (all but their last token) and draft every row's first
         speculation."""
+        with self.clock("begin"):
+            return self._begin(input_ids, attention_mask)
+
+    def _begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Speculation]:
         ids = input_ids.to(self.device)
         rows, width = ids.shape
         valid = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(
             self.device
         ).bool()
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
-        self.cache = DraftCache(self.model, rows)
+        self.cache = DraftCache(self.model, rows, timer=self.clock)
         if width > 1:
             head = width - 1
             visible = causal_visibility(self.cache.valid, head, valid[:, :head])
-            self.cache.forward(ids[:, :head], positions[:, :head], visible, valid=valid[:, :head], logits_to_keep=1)
+            self.cache.forward(ids[:, :head], positions[:, :head], visible, valid=valid[:, :head], logits_to_keep=1,
+                               phase="prefill")
         self.contexts = [ids[r][valid[r]].tolist() for r in range(rows)]
         self.glue_start = positions[:, -1].clone()
         self.t_prev = ids[:, -1].clone()
         self.speculations = [None] * rows
-        self._backup_speculations(list(range(rows)), "draft")
+        self._backup_speculations(list(range(rows)), "draft", phase="prefill")
         return list(self.speculations)
 
     def _top(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's top-W tokens, W = branches + 1 (enough for any fork after skipping s_{j+1})."""
         return logits.topk(min(self.vocab_size, self.config.branches + 1), dim=-1).indices
 
-    def _draft_just_in_time(self, missed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _draft_just_in_time(self, missed: torch.Tensor, phase: str) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor
+    ]:
         """The draft model's own speculation for the rows in `missed` [b] (bool): K single-token forwards.
 
         The other rows ride along as invisible dummies (one forward serves the whole batch). The real rows' KV stays
@@ -184,29 +239,30 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         for i in range(self.lookahead):
             self.check()
             visible = causal_visibility(self.cache.valid, 1, missed[:, None])
-            logits = self.cache.forward(token[:, None], (self.glue_start + i)[:, None], visible, valid=missed[:, None])
+            logits = self.cache.forward(token[:, None], (self.glue_start + i)[:, None], visible, valid=missed[:, None],
+                                        phase=phase)
             tops.append(self._top(logits[:, -1]))
-            token, q = self._sample(logits[:, -1], self._saguaro_top("backup", i + 1))
+            token, q = self._sample(logits[:, -1], self._saguaro_top("miss", i + 1))
             tokens.append(token)
             probs.append(q)
         stacked = torch.stack(probs, dim=1) if self.do_sample else None
         return torch.stack(tokens, dim=1), stacked, torch.stack(tops, dim=1)
 
-    def _backup_speculations(self, rows: list[int], backup: str) -> None:
-        """Fill `self.speculations[r]` for the rows that missed, with `backup`."""
+    def _backup_speculations(self, rows: list[int], backup: str, phase: str = "backup") -> None:
+        """Fill `self.speculations[r]` for the rows that missed, with `backup` (its forwards timed as `phase`)."""
         if not rows:
             return
         if backup == "draft":
             started = time.perf_counter()
             missed = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
             missed[rows] = True
-            tokens, probs, tops = self._draft_just_in_time(missed)
+            tokens, probs, tops = self._draft_just_in_time(missed, phase)
             for r in rows:
                 self.speculations[r] = Speculation(
                     tokens[r], None if probs is None else probs[r], "draft", row_top=tops[r]
                 )
-            self.backup_seconds += time.perf_counter() - started
-            self.backup_calls += 1
+            self.timings.backup_seconds += time.perf_counter() - started
+            self.timings.backup_calls += 1
             return
         for r in rows:
             tokens, probs = backup_speculation(
@@ -227,7 +283,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         pre_glued = [s.row_top is not None for s in speculations]
         if all(pre_glued):
             visible = causal_visibility(self.cache.valid, 1)
-            logits = self.cache.forward(drafted[:, -1:], (self.glue_start + k)[:, None], visible)
+            logits = self.cache.forward(drafted[:, -1:], (self.glue_start + k)[:, None], visible, phase="glue")
             row_top = torch.stack([s.row_top.to(self.device) for s in speculations])
             return torch.cat([row_top, self._top(logits[:, -1:])], dim=1)
         glue = torch.cat([self.t_prev[:, None], drafted], dim=1)
@@ -235,27 +291,32 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         real = torch.ones_like(glue, dtype=torch.bool)
         pre = torch.tensor(pre_glued, device=self.device)
         real[pre, :k] = False
-        top = self._top(self.cache.forward(glue, positions, causal_visibility(self.cache.valid, k + 1, real), real))
+        top = self._top(self.cache.forward(glue, positions, causal_visibility(self.cache.valid, k + 1, real), real,
+                                           phase="glue"))
         for r, spec in enumerate(speculations):
             if spec.row_top is not None:
                 top[r, :k] = spec.row_top.to(self.device)
         return top
 
-    def prepare(self, speculations: list[Speculation]) -> None:
-        """Glue, fork and tree-decode every branch of every row for the outcomes of verifying `speculations`.
+    def prepare(self, speculations: list[Speculation] | None = None) -> None:
+        """Glue, fork and tree-decode every branch of every row for the outcomes of verifying `speculations`
+        (default: the ones `begin` / `resolve` handed out last, which is what the target verifies).
 
         The tree's KV stays in the cache until `resolve`, which keeps each row's hit branch.
         """
+        with self.clock("prepare"):
+            self._prepare(self.speculations if speculations is None else list(speculations))
+
+    def _prepare(self, speculations: list[Speculation]) -> None:
         started = time.perf_counter()
         k = self.lookahead
-        self.speculations = list(speculations)
+        self.speculations = speculations
         self.spec_cache = None
         self._reseed(0)
         self.check()
         row_top = self._glue(speculations)
         self.main_len = len(self.cache)
-        kinds = ["primary" if s.is_primary else "backup" for s in speculations]
-        self.fanout_in_use = [self.schedules[kind] for kind in kinds]
+        self.fanout_in_use = [self.schedules[lookup_kind(s.source)] for s in speculations]
         fanout = torch.tensor(self.fanout_in_use, device=self.device)
         drafted = torch.stack([s.tokens for s in speculations]).to(self.device)
         forks, current, usable = fork_candidates(row_top, drafted, fanout)
@@ -273,54 +334,60 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         tokens = torch.empty(rows, branches, k, dtype=torch.long, device=self.device)
         tops = torch.empty(rows, branches, k, row_top.shape[-1], dtype=torch.long, device=self.device)
         probs = torch.empty(rows, branches, k, self.vocab_size, device=self.device) if self.do_sample else None
-        for step in range(1, k + 1):
-            self.check()
-            outcomes = self.outcomes
-            if outcomes is not None and not any((r, *o) in prepared for r, o in enumerate(outcomes)):
-                self.skipped_tree_steps += k + 1 - step  # every row's outcome is a known miss: the rest is waste
-                self.prepare_seconds += time.perf_counter() - started
-                self.prepare_calls += 1
-                return
-            visible = tree_step_visibility(main_valid, main_pos, self.glue_start, forks, step)
-            step_logits = self.cache.forward(current, tree_step_positions(self.glue_start, forks, step), visible)
-            tops[:, :, step - 1] = self._top(step_logits)
-            current, q = self._sample(step_logits, self._saguaro_top("primary", step))
-            tokens[:, :, step - 1] = current
-            if probs is not None:
-                probs[:, :, step - 1] = q
-        # Branch β's tree slots hold [candidate, s'_1..s'_{K-1}]: exactly the next glue's first K tokens.
-        slots = self.main_len + branches * torch.arange(k, device=self.device)[None, :] + torch.arange(
-            branches, device=self.device
-        )[:, None]
-        flat = rows * branches
-        self.spec_cache = SpeculationCache(
-            row_ids.reshape(flat), forks.reshape(flat), candidates.reshape(flat), tokens.reshape(flat, k),
-            None if probs is None else probs.reshape(flat, k, -1), tops.reshape(flat, k, -1),
-            slots.repeat(rows, 1), usable.reshape(flat),
-        )
-        self.prepare_seconds += time.perf_counter() - started
-        self.prepare_calls += 1
+        try:
+            for step in range(1, k + 1):
+                self.check()
+                outcomes = self.announced_outcomes()
+                if outcomes is not None and not any((r, *o) in prepared for r, o in enumerate(outcomes)):
+                    self.skipped_tree_steps += k + 1 - step  # every row's outcome is a known miss: the rest is waste
+                    return
+                visible = tree_step_visibility(main_valid, main_pos, self.glue_start, forks, step)
+                step_logits = self.cache.forward(current, tree_step_positions(self.glue_start, forks, step), visible,
+                                                 phase="tree")
+                tops[:, :, step - 1] = self._top(step_logits)
+                current, q = self._sample(step_logits, self._saguaro_top("hit", step))
+                tokens[:, :, step - 1] = current
+                if probs is not None:
+                    probs[:, :, step - 1] = q
+            # Branch β's tree slots hold [candidate, s'_1..s'_{K-1}]: exactly the next glue's first K tokens.
+            slots = self.main_len + branches * torch.arange(k, device=self.device)[None, :] + torch.arange(
+                branches, device=self.device
+            )[:, None]
+            flat = rows * branches
+            self.spec_cache = SpeculationCache(
+                row_ids.reshape(flat), forks.reshape(flat), candidates.reshape(flat), tokens.reshape(flat, k),
+                None if probs is None else probs.reshape(flat, k, -1), tops.reshape(flat, k, -1),
+                slots.repeat(rows, 1), usable.reshape(flat),
+            )
+        finally:
+            self.timings.prepare_seconds += time.perf_counter() - started
+            self.timings.prepare_calls += 1
 
     def resolve(
-        self, outcomes: list[tuple[int, int]], verified: int, keep_rows: list[int] | None = None
+        self, outcomes: list[tuple[int, int]], verified: int, keep_rows: list[int] | None = None,
+        backup: str | None = None,
     ) -> list[Resolution]:
         """Commit every row's outcome (accepted, bonus) and return the next speculation of each row in
-        `keep_rows` (default: all; finished rows leave the batch): its cache hit, or the backup's.
+        `keep_rows` (default: all; finished rows leave the batch): its cache hit, or on a miss the backup's
+        (`backup`, default `self.backup`).
 
-        The draft cache keeps, per row, the committed prefix plus the hit branch's tree slots, compacted against a
-        common right edge. Also feeds the fan-out estimator and snapshots the schedules for the next round; this
+        The draft cache keeps, per row, the committed prefix plus the hit branch's tree slots; only the slots this
+        round wrote move. Also feeds the fan-out estimator and snapshots the schedules for the next round; this
         runs strictly between two verifications, so every executor sees the same schedules.
         """
+        with self.clock("resolve"):
+            return self._resolve(outcomes, verified, keep_rows, backup or self.backup)
+
+    def _resolve(self, outcomes, verified, keep_rows, backup) -> list[Resolution]:
         rows = self.rows
         keep_rows = list(range(rows)) if keep_rows is None else list(keep_rows)
         accepted = torch.tensor([a for a, _ in outcomes], device=self.device)
         keep = self.cache.valid.clone()
         keep[:, self.main_len :] = False
         keep &= self.cache.positions <= (self.glue_start + accepted)[:, None]
-        found_by_row, candidates_by_row = [], []
+        found_by_row = []
         for r, (acc, bonus) in enumerate(outcomes):
-            spec = self.speculations[r]
-            self.estimator.record_round("primary" if spec.is_primary else "backup", acc, verified)
+            self.estimator.record_round(lookup_kind(self.speculations[r].source), acc, verified)
             candidates = self.fanout_in_use[r][acc] if self.fanout_in_use else 0
             found = self.spec_cache.lookup(r, acc, bonus) if self.spec_cache is not None else None
             if candidates:
@@ -328,12 +395,9 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             if found is not None:
                 keep[r, found.slots] = True
             found_by_row.append(found)
-            candidates_by_row.append(candidates)
-        compact_start = time.perf_counter()
         selected = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        index, valid = compact(keep[selected])
-        self.cache.keep(index, valid, None if len(keep_rows) == rows else selected)
-        self.compact_seconds += time.perf_counter() - compact_start
+        with self.clock("compact"):
+            self.cache.keep(keep, None if len(keep_rows) == rows else selected, max_holes=self.lookahead)
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.memory_bytes())
         for r in keep_rows:
             acc, bonus = outcomes[r]
@@ -349,11 +413,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.schedules = self.estimator.schedules()
         self._round += 1
         self._reseed(1)
-        self._backup_speculations([i for i, s in enumerate(self.speculations) if s is None], self.backup)
-        return [
-            Resolution(self.speculations[i], found_by_row[r] is not None, candidates_by_row[r])
-            for i, r in enumerate(keep_rows)
-        ]
+        self._backup_speculations([i for i, s in enumerate(self.speculations) if s is None], backup)
+        return [Resolution(self.speculations[i], found_by_row[r] is not None) for i, r in enumerate(keep_rows)]
 
     # --- transformers' CandidateGenerator interface (synchronous, batch 1) --------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
@@ -365,7 +426,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         else:
             outcome = [(self._last_accepted, int(input_ids[0, -1]))]
             spec = self.resolve(outcome, self.lookahead)[0].speculation
-        self.prepare([spec])
+        self.prepare()
         candidate_ids = torch.cat([input_ids, spec.tokens[None].to(input_ids.device)], dim=-1)
         logits = None if spec.probs is None else spec.probs.log()[None]
         return candidate_ids, logits

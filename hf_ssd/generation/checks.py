@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import model_kwargs_cache_key
+from ..compat import attn_implementation, is_stateful, model_kwargs_cache_key, pad_token_tensor
 
 
 def model_vocab_size(model) -> int:
@@ -62,6 +62,7 @@ def check_supported(model, assistant_model, input_ids, generation_config, synced
     if model.config.is_encoder_decoder or assistant_model.config.is_encoder_decoder:
         raise ValueError("SSD supports decoder-only target and draft models; got an encoder-decoder model.")
     mask = model_kwargs.get("attention_mask")
+    check_prompt(input_ids, mask)
     if mask is not None and mask.dim() == 2 and bool((mask[:, -1] == 0).any()):
         raise ValueError(
             "SSD needs left-padded batches (every row's last position a real token); got right padding. Set "
@@ -77,11 +78,11 @@ def check_supported(model, assistant_model, input_ids, generation_config, synced
             "SSD does not return attentions or hidden states; drop `output_attentions` / `output_hidden_states` "
             "(`output_scores` and `output_logits` are supported)."
         )
-    if getattr(assistant_model, "_is_stateful", False) or getattr(model, "_is_stateful", False):
+    if is_stateful(assistant_model) or is_stateful(model):
         raise ValueError(
             "SSD needs models whose cache can be rolled back; stateful (recurrent) models are not supported."
         )
-    attn = getattr(assistant_model.config, "_attn_implementation", None) or ""
+    attn = attn_implementation(assistant_model.config)
     if "flash" in attn or "flex" in attn:
         raise ValueError(
             f"SSD's tree attention needs a custom 4D mask, which '{attn}' does not take; load the draft with "
@@ -91,6 +92,20 @@ def check_supported(model, assistant_model, input_ids, generation_config, synced
         raise ValueError("SSD needs the target's KV cache: do not pass `use_cache=False`.")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("SSD needs `input_ids`; `inputs_embeds` prompts are not supported.")
+
+
+def check_prompt(input_ids, attention_mask=None) -> None:
+    """Every row needs a real token to start from (SSD has no BOS of its own to draft after)."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[-1] == 0:
+        raise ValueError(
+            f"SSD needs a prompt of at least one token per row; got `input_ids` of shape {tuple(input_ids.shape)}. "
+            "Start from a BOS token (e.g. `tokenizer.bos_token_id`) to generate from nothing."
+        )
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and bool(
+            (attention_mask.sum(dim=-1) == 0).any()):
+        raise ValueError(
+            "SSD needs at least one real token in every row; the attention mask has a row of padding only."
+        )
 
 
 def check_batchable(input_ids, generation_config, model_kwargs) -> None:
@@ -107,7 +122,7 @@ def check_batchable(input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(
                 f"SSD at batch size {rows} needs `{key}` of shape [batch, length]; got {tuple(value.shape)}."
             )
-    if generation_config._pad_token_tensor is None:
+    if pad_token_tensor(generation_config) is None:
         raise ValueError(
             f"SSD at batch size {rows} fills finished rows with the pad token: set `pad_token_id` (e.g. to the EOS "
             "token) in generate() or the generation config."

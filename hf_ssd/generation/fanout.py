@@ -91,20 +91,30 @@ def fit_power_law(hits_by_f: dict[int, list[int]], prior: float, min_count: int 
     return prior if line is None else min(max(-line[0], 0.2), 4.0)
 
 
-class FanoutEstimator:
-    """Keeps the fan-out schedules F^p (after a cached speculation) and F^b (after a backup one).
+KINDS = ("hit", "miss")  # the speculation being verified came from the cache (a hit) or from a backup (a miss)
 
-    `record_round` is called by the decoding loop after each verification; `schedules()` is read by the drafter
-    at a well-defined point of each round, so the same seed gives the same drafts under every executor.
+
+class FanoutEstimator:
+    """Keeps the fan-out schedules F^p (after verifying a speculation that was a cache hit) and F^b (after one a
+    backup drafted on a miss), keyed "hit" and "miss".
+
+    The drafter records each round's acceptance and lookups in `resolve` and reads `schedules()` there, strictly
+    between two verifications, so the same seed gives the same drafts under every executor.
     """
 
     def __init__(self, fanout, budget: int, lookahead: int, vocab_size: int, a_prior: float, r_prior: float,
                  adaptive: bool = True):
         self.fanout, self.budget, self.lookahead, self.vocab_size = fanout, budget, lookahead, vocab_size
         self.a_prior, self.r_prior, self.adaptive = a_prior, r_prior, adaptive
-        # acceptance counts per speculation source: [accepted tokens, tried positions]
-        self.accept = {"primary": [0, 0], "backup": [0, 0]}
+        # acceptance counts per kind of speculation: [accepted tokens, tried positions]
+        self.accept = {kind: [0, 0] for kind in KINDS}
         self.hits_by_f: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+
+    @classmethod
+    def from_config(cls, config, vocab_size: int) -> FanoutEstimator:
+        """The estimator an `SSDConfig` describes, for a vocabulary of `vocab_size` tokens."""
+        return cls(config.fanout, config.branches, config.lookahead, vocab_size, config.acceptance_prior,
+                   config.power_law_prior, config.adaptive)
 
     def acceptance(self, kind: str) -> float:
         accepted, trials = self.accept[kind]
@@ -114,7 +124,7 @@ class FanoutEstimator:
         return fit_power_law(self.hits_by_f, self.r_prior) if self.adaptive else self.r_prior
 
     def schedule(self, kind: str) -> list[int]:
-        """The fan-out over k = 0..K for the round after a speculation of `kind` ("primary" or "backup")."""
+        """The fan-out over k = 0..K for the round after verifying a speculation of `kind` ("hit" or "miss")."""
         if isinstance(self.fanout, list):
             out = list(self.fanout)
         elif self.fanout == "uniform":
@@ -124,7 +134,7 @@ class FanoutEstimator:
         return cap_fanout(out, self.vocab_size)
 
     def schedules(self) -> dict[str, list[int]]:
-        return {"primary": self.schedule("primary"), "backup": self.schedule("backup")}
+        return {kind: self.schedule(kind) for kind in KINDS}
 
     def record_round(self, kind: str, accepted: int, verified: int) -> None:
         """One verification: `accepted` of `verified` draft tokens were accepted."""

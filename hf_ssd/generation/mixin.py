@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from ..config import SSDConfig
-from .checks import check_vocabulary
+from .checks import check_prompt, check_vocabulary
 from .decoding import ssd_decoding
 
 _GENERATE_SIGNATURE = inspect.signature(GenerationMixin.generate)
@@ -78,8 +78,23 @@ class SSDGenerationMixin:
         if "ssd_config" in kwargs:
             kwargs["ssd_config"] = ssd_config
         _check_request(self, bound.get("assistant_model"), extra, merged)
+        check_prompt(bound.get("inputs", extra.get("input_ids")), extra.get("attention_mask"))
         with _model_lock(self):
             return super().generate(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # `enable_ssd`'s class carries the original's name, so pickle (and deepcopy, and handing the model to a
+        # worker process) would look up the original class by name and refuse: rebuild the subclass on load instead.
+        reduced = super().__reduce_ex__(protocol)
+        base = type(self).__dict__.get("_ssd_base")
+        if base is None or not isinstance(reduced, tuple):
+            return reduced
+        return (_new_ssd_model, (base,), *reduced[2:])
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_ssd_lock", None)  # a lock does not pickle; a new one is made on first use
+        return state
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         # transformers' assisted path refuses num_return_sequences > 1; SSD decodes the expanded rows as a batch.
@@ -120,9 +135,15 @@ def ssd_class(cls: type) -> type:
         return cls
     with _LOCKS_GUARD:
         if cls not in _SSD_CLASSES:
-            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_ssd_base": cls}
             _SSD_CLASSES[cls] = type(cls.__name__, (SSDGenerationMixin, cls), namespace)
         return _SSD_CLASSES[cls]
+
+
+def _new_ssd_model(base: type):
+    """An empty instance of `ssd_class(base)` (unpickling; the state follows)."""
+    cls = ssd_class(base)
+    return cls.__new__(cls)
 
 
 def enable_ssd(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,53 +1,136 @@
-"""The target's side of a batch: one verification forward for all rows, per-row processing, and the realignment of
-ragged rows (tokens, 2D inputs, KV) against a common right edge after every round."""
+"""The target's side of a batch: one verification forward for all active rows, per-row processing, acceptance, and
+the realignment of ragged rows (tokens, 2D inputs, KV) against a common right edge after every round."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.generation.candidate_generator import (
-    _prepare_attention_mask,
-    _prepare_position_ids,
-    _prepare_token_type_ids,
-)
 
 from ..cache.alignment import compact, gather_slots, keep_leading
-from ..compat import model_kwargs_cache_key
+from ..compat import (
+    model_kwargs_cache_key,
+    output_cache,
+    prepare_attention_mask,
+    prepare_position_ids,
+    prepare_token_type_ids,
+)
+from .rows import Batch, Row, Verdict
+from .verification import accept
+
+ROW_INPUTS = ("attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")  # [b, T]: follow the tokens
 
 
-def target_scores(model, input_ids, tokens, model_kwargs, first: bool):
-    """One target forward over the new tokens [bonus, s_1..s_L] of every row ([b, L]).
+class TargetBatch:
+    """The target's view of the active rows: left-padded ids right-aligned to a common edge (`ids` [b, T]), their
+    2D inputs and KV cache (`kwargs`). Invariant between rounds: the cache holds T - 1 positions per row."""
 
-    Returns (outputs, kwargs extended to T+L, raw logits [b, L+1, V]).
-    """
-    length = tokens.shape[1]
-    candidate_ids = torch.cat([input_ids, tokens], dim=-1)
-    kwargs = extend_row_inputs(copy.copy(model_kwargs), candidate_ids.shape[1])
-    next_length = None if first else length + 1
-    if first:  # a cache passed in by the caller (continuation): feed only its uncached tail, as generate()'s prefill
-        cache = kwargs.get(model_kwargs_cache_key(kwargs) or "cache")
-        past = cache.get_seq_length() if cache is not None else 0
-        mask = kwargs.get("attention_mask")
-        if 0 < past < input_ids.shape[1] and (mask is None or mask.shape[1] == candidate_ids.shape[1]):
-            next_length = candidate_ids.shape[1] - past
-    inputs = model.prepare_inputs_for_generation(
-        candidate_ids, next_sequence_length=next_length, is_first_iteration=first, **kwargs
-    )
-    if "logits_to_keep" in inputs:
-        inputs["logits_to_keep"] = length + 1
-    outputs = model(**inputs)
-    raw = outputs.logits[:, -length - 1 :].to(dtype=torch.float32, device=input_ids.device)
-    return outputs, kwargs, raw
+    def __init__(self, model, input_ids: torch.Tensor, model_kwargs: dict, logits_processor):
+        self.model = model
+        self.cache_key = model_kwargs_cache_key(model_kwargs)
+        if input_ids.shape[0] > 1:
+            # Full layers (sliding windows still apply through the 2D mask); realigned every round.
+            model_kwargs[self.cache_key] = DynamicCache()
+            if model_kwargs.get("attention_mask") is None:
+                model_kwargs["attention_mask"] = torch.ones_like(input_ids)
+        cache = model_kwargs[self.cache_key]
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        self.ids = input_ids
+        self.kwargs = model_kwargs
+        self.logits_processor = logits_processor
+        self.first = True
+        self._outputs = self._extended = None
+        text_config = model.config.get_text_config()
+        positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+        self.max_positions = positions or 1 << 62
+
+    @property
+    def cache(self):
+        return self.kwargs.get(self.cache_key)
+
+    def verify(self, batch: Batch, verified: int, generator: torch.Generator | None, phases,
+               cores=contextlib.nullcontext) -> Verdict:
+        """Score every active row's speculation (its first `verified` tokens) in one forward and accept exactly.
+
+        `generator` is None under greedy decoding; `cores` is entered around the first forward (the prefill)."""
+        device = self.ids.device
+        tokens = torch.stack([row.speculation.tokens[:verified] for row in batch.active]).to(device)
+        with phases("target_forward"), (cores() if self.first else contextlib.nullcontext()):
+            self._outputs, self._extended, raw = self._forward(tokens)
+        if self.first and not getattr(output_cache(self._outputs), "is_croppable", True):
+            raise ValueError("SSD needs a target cache that can be cropped after verification.")
+        with phases("processors"):
+            scores = process_rows(self.logits_processor, batch.rows, batch.active, tokens, raw)
+        with phases("verify"):
+            q = None
+            if generator is not None:
+                q = torch.stack([row.speculation.probs[:verified] for row in batch.active]).to(scores.device)
+            accepted, bonus = accept(tokens, scores, q, generator)
+            both = torch.stack([accepted, bonus]).tolist()  # the round's one host synchronisation
+        return Verdict(verified, tokens, raw, scores, [int(a) for a in both[0]], [int(b) for b in both[1]])
+
+    def _forward(self, tokens: torch.Tensor):
+        """One target forward over the new tokens [bonus, s_1..s_L] of every row ([b, L]).
+
+        Returns (outputs, kwargs extended to T+L, raw logits [b, L+1, V])."""
+        length = tokens.shape[1]
+        candidate_ids = torch.cat([self.ids, tokens], dim=-1)
+        kwargs = extend_row_inputs(copy.copy(self.kwargs), candidate_ids.shape[1])
+        next_length = _uncached_length(kwargs, self.ids, candidate_ids) if self.first else length + 1
+        inputs = self.model.prepare_inputs_for_generation(
+            candidate_ids, next_sequence_length=next_length, is_first_iteration=self.first, **kwargs
+        )
+        if "logits_to_keep" in inputs:
+            inputs["logits_to_keep"] = length + 1
+        outputs = self.model(**inputs)
+        raw = outputs.logits[:, -length - 1 :].to(dtype=torch.float32, device=self.ids.device)
+        return outputs, kwargs, raw
+
+    def realign(self, verdict: Verdict, emitted: list[int], keep: list[int]) -> None:
+        """Commit what each row emitted: row i (of the rows verified) keeps T + emitted[i] tokens and one KV slot
+        fewer; rows not in `keep` leave. When every row stays and emitted the same count this is a plain crop (the
+        only path at batch 1); otherwise tokens, 2D inputs and KV go through one gather."""
+        cache = output_cache(self._outputs)
+        width, verified = self.ids.shape[1], verdict.verified
+        kwargs = extend_row_inputs(self._extended, width + verified + 1)  # room for the bonus
+        kwargs[self.cache_key] = cache
+        new_tokens = verdict.new_tokens()
+        if len(keep) == len(emitted) and len(set(emitted)) == 1:
+            cache.crop(-(verified + 1 - emitted[0]))
+            self.ids = torch.cat([self.ids, new_tokens[:, : emitted[0]]], dim=1)
+            for key in ROW_INPUTS:
+                if kwargs.get(key) is not None:
+                    kwargs[key] = kwargs[key][..., : width + emitted[0]]
+        elif keep:
+            check_realignable(cache)
+            committed = torch.cat([self.ids, new_tokens], dim=1)
+            self.ids = realign_rows(cache, kwargs, committed, keep, [width + e for e in emitted])
+        self.kwargs = kwargs
+        self.first = False
+        self._outputs = self._extended = None
+
+
+def _uncached_length(kwargs, input_ids, candidate_ids) -> int | None:
+    """A cache passed in by the caller (continuation): the first forward feeds only its uncached tail, as
+    generate()'s prefill does."""
+    cache = kwargs.get(model_kwargs_cache_key(kwargs) or "cache")
+    past = cache.get_seq_length() if cache is not None else 0
+    mask = kwargs.get("attention_mask")
+    if 0 < past < input_ids.shape[1] and (mask is None or mask.shape[1] == candidate_ids.shape[1]):
+        return candidate_ids.shape[1] - past
+    return None
 
 
 def extend_row_inputs(model_kwargs, length: int):
     """Extend the per-row inputs (mask, positions, token types) to `length` columns, as generate() would."""
-    kwargs = _prepare_attention_mask(model_kwargs, length, False)
-    kwargs = _prepare_token_type_ids(kwargs, length)
+    kwargs = prepare_attention_mask(model_kwargs, length, False)
+    kwargs = prepare_token_type_ids(kwargs, length)
     if kwargs.get("position_ids") is not None:
-        kwargs = _prepare_position_ids(kwargs, length, False)
+        kwargs = prepare_position_ids(kwargs, length, False)
     if (mm_types := kwargs.get("mm_token_type_ids")) is not None and mm_types.shape[-1] < length:
         kwargs["mm_token_type_ids"] = torch.cat(
             [mm_types, mm_types.new_zeros(mm_types.shape[0], length - mm_types.shape[-1])], dim=-1
@@ -55,35 +138,32 @@ def extend_row_inputs(model_kwargs, length: int):
     return kwargs
 
 
-def process_rows(logits_processor, row_ids: list[torch.Tensor], active: list[int], tokens: torch.Tensor,
-             raw: torch.Tensor) -> torch.Tensor:
-    """Processed scores [b, L+1, V]: row i at position m sees exactly its own prefix plus tokens[i, :m].
+def process_rows(logits_processor, rows: list[Row], active: list[Row], tokens: torch.Tensor,
+                 raw: torch.Tensor) -> torch.Tensor:
+    """Processed scores [b, L+1, V]: active row i at position m sees exactly its own prefix plus tokens[i, :m].
 
-    `row_ids[r]` is original row r as plain decoding holds it (its prompt as passed, padding included, plus what it
-    has generated), so length- and content-dependent processors behave exactly as there. Processors may hold
-    per-row state for the original batch (e.g. the repetition penalty's prompt lengths): each call gets a batch
-    of the original size with the rows in their original places; rows of equal length share a call.
+    `row.ids` is the row as plain decoding holds it (its prompt as passed, padding included, plus what it has
+    generated), so length- and content-dependent processors behave exactly as there. Processors may hold per-row
+    state for the original batch (e.g. the repetition penalty's prompt lengths): each call gets a batch of the
+    original size (`rows`) with the rows in their original places; rows of equal length share a call.
     """
-    scores = raw.clone()
     if not logits_processor:
-        return scores
-    batch = len(row_ids)
+        return raw  # neither is written to afterwards
+    scores = raw.clone()
+    batch = len(rows)
     for m in range(raw.shape[1]):
         groups: dict[int, list[int]] = {}
-        for i, r in enumerate(active):
-            groups.setdefault(row_ids[r].shape[0] + m, []).append(i)
+        for i, row in enumerate(active):
+            groups.setdefault(row.ids.shape[0] + m, []).append(i)
         for members in groups.values():
-            views = {active[i]: torch.cat([row_ids[active[i]], tokens[i, :m]]) for i in members}
-            filler = views[active[members[0]]]
+            views = {active[i].index: torch.cat([active[i].ids, tokens[i, :m]]) for i in members}
+            filler = views[active[members[0]].index]
             ids = torch.stack([views.get(r, filler) for r in range(batch)])
-            originals = [active[i] for i in members]
+            originals = [active[i].index for i in members]
             batch_scores = raw[members[0], m].expand(batch, -1).clone()
             batch_scores[originals] = raw[members, m]
             scores[members, m] = logits_processor(ids, batch_scores)[originals]
     return scores
-
-
-ROW_INPUTS = ("attention_mask", "position_ids", "token_type_ids")  # [b, T] inputs that follow the tokens
 
 
 def realign_rows(cache, model_kwargs, layout_ids, keep_rows, id_lengths):
@@ -100,7 +180,7 @@ def realign_rows(cache, model_kwargs, layout_ids, keep_rows, id_lengths):
         value = model_kwargs.get(key)
         if value is not None:
             value = gather_slots(value[selected], index, 1)
-            model_kwargs[key] = value * valid if key == "attention_mask" else value
+            model_kwargs[key] = value if key == "position_ids" else value * valid  # padding: mask 0, type 0
     kv_lengths = lengths - 1
     kv_index, _ = compact(keep_leading(kv_lengths, cache.get_seq_length()))
     for layer in cache.layers:

@@ -51,3 +51,16 @@ def sampling_verify(
     dist = residual_distribution(p.gather(1, index).squeeze(1), q_full.gather(1, index).squeeze(1))
     bonus = torch.multinomial(dist, 1, generator=generator).squeeze(1)
     return accepted, bonus
+
+
+def accept(
+    draft_tokens: torch.Tensor,
+    target_scores: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round's verification: greedy when `draft_probs` is None, else speculative sampling against the target's
+    processed `target_scores` (p = softmax)."""
+    if draft_probs is None:
+        return greedy_verify(draft_tokens, target_scores)
+    return sampling_verify(draft_tokens, draft_probs, target_scores.softmax(-1), generator)

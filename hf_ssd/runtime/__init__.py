@@ -1,0 +1,42 @@
+"""Where the draft runs: inline, on a thread, or in a worker process (and, later, on a CUDA stream).
+
+Everything about threads, processes and devices lives in this package, behind `DraftExecutor`; the round loop only
+calls `choose_executor` and `open_executor`.
+"""
+
+from .executor import (
+    DraftCancelled,
+    DraftExecutor,
+    DraftRequest,
+    DraftWorkerError,
+    choose_executor,
+    open_executor,
+)
+from .threads import available_cores, split_threads
+
+__all__ = [
+    "DraftCancelled",
+    "DraftExecutor",
+    "DraftRequest",
+    "DraftWorkerError",
+    "available_cores",
+    "choose_executor",
+    "close_workers",
+    "open_executor",
+    "split_threads",
+    "start_draft_worker",
+]
+
+
+def start_draft_worker(draft) -> float:
+    """Start a draft worker process now, holding `draft` (see `process.start_draft_worker`); seconds taken."""
+    from .process import start_draft_worker as start
+
+    return start(draft)
+
+
+def close_workers() -> None:
+    """Stop this interpreter's draft worker processes (`executor="process"`); they restart on demand."""
+    from .process import close_workers as close
+
+    close()

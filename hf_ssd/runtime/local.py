@@ -1,0 +1,116 @@
+"""The drafter in this process: inline ("sync") or on one background thread ("thread", concurrent with verification).
+
+Both run the same calls in the same order as far as the draft's state and random generator are concerned, so they
+(and the process executor) give identical outputs for a seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..config import SSDConfig
+from .executor import DraftCancelled, DraftExecutor, DraftRequest
+from .threads import torch_threads
+
+logger = logging.getLogger(__name__)
+
+
+class LocalExecutor(DraftExecutor):
+    """Runs the drafter's tasks one at a time, in submission order, inline or on a single worker thread."""
+
+    def __init__(self, kind: str, draft_model: torch.nn.Module, request: DraftRequest):
+        if kind not in ("sync", "thread"):
+            raise ValueError(f"LocalExecutor runs 'sync' or 'thread', not {kind!r}")
+        super().__init__(request, draft_model.device)
+        from ..generation.candidate_generator import SaguaroCandidateGenerator
+
+        self.kind = kind
+        self._stop = threading.Event()
+        self._busy = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._last: Future | None = None
+        self.drafter = SaguaroCandidateGenerator(
+            draft_model, SSDConfig.coerce(request.config), request.do_sample, request.warpers, request.vocab_size,
+            request.seed, check=self._check,
+        )
+
+    def start(self) -> None:
+        if self.kind == "thread":
+            self._pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="hf-ssd-draft", initializer=torch.set_num_threads,
+                initargs=(self.request.draft_threads,),
+            )
+
+    def close(self) -> None:
+        """Stop work in flight (the running task at its next check), join the thread."""
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        last, self._last = self._last, None
+        if last is not None and last.done() and not last.cancelled():
+            error = last.exception()
+            if error is not None and not isinstance(error, DraftCancelled):
+                logger.warning("hf_ssd: abandoned draft work failed: %r", error)
+
+    def _check(self) -> None:
+        if self._stop.is_set():
+            raise DraftCancelled()
+
+    def _run(self, fn, args):
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                result = fn(*args)
+                if self.draft_device.type not in ("cpu", "meta"):
+                    torch.get_device_module(self.draft_device).synchronize(self.draft_device)
+            return result
+        finally:
+            self._busy += time.perf_counter() - start
+
+    def _submit(self, fn, *args) -> Future:
+        if self._pool is not None:
+            self._last = self._pool.submit(self._run, fn, args)
+            return self._last
+        future: Future = Future()
+        try:
+            future.set_result(self._run(fn, args))
+        except Exception as err:  # KeyboardInterrupt and SystemExit propagate at once
+            future.set_exception(err)
+        return future
+
+    # --- the round protocol ----------------------------------------------------------------------------------
+    def begin(self, input_ids, attention_mask) -> Future:
+        def on_all_cores(ids, mask):  # the target waits for it: every core this generation has
+            threads = self.request.draft_threads + self.request.target_threads if self.kind == "thread" else None
+            with torch_threads(threads):
+                return self.drafter.begin(ids, mask)
+
+        return self._submit(on_all_cores, input_ids, attention_mask)
+
+    def prepare(self) -> Future:
+        self.drafter.announce(None)
+        return self._submit(self.drafter.prepare)
+
+    def announce(self, accepted, bonus) -> None:
+        self.drafter.announce(list(zip(accepted, bonus)))
+
+    def resolve(self, accepted, bonus, verified, keep_rows, backup) -> Future:
+        return self._submit(self.drafter.resolve, list(zip(accepted, bonus)), verified, keep_rows, backup)
+
+    def timings(self):
+        return dataclasses.replace(self.drafter.timings)
+
+    def finish(self):
+        self.close()  # the drafter is idle from here on
+        return self.drafter.report()
+
+    @property
+    def busy_seconds(self) -> float:
+        return self._busy

@@ -1,0 +1,310 @@
+"""`executor="process"`: a persistent worker process per interpreter, shared draft weights, faults and deaths
+surfacing in the caller, nothing left behind. (Output equality and the sampling law for this executor are in the
+greedy, sampling, batch and streaming test modules, next to the other executors.)"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from conftest import tiny_pair
+from draft_faults import DraftBoom, failing_copy
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.streamers import BaseStreamer
+
+from hf_ssd import SSDConfig
+from hf_ssd.runtime import DraftWorkerError, close_workers
+from hf_ssd.runtime.process import POOL, worker_pids
+
+VOCAB = 96
+NEW = 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair("llama", seed=14)
+
+
+@pytest.fixture(scope="module")
+def case(pair):
+    target, _ = pair
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(8))
+    return ids, target.generate(ids, max_new_tokens=NEW, do_sample=False)
+
+
+def ssd(target, draft, ids, executor="process", **kwargs):
+    return target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(lookahead=3, executor=executor),
+                           max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited and waiting to be reaped by whoever adopted it, does not)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def assert_idle_and_working(target, draft, ids, expected):
+    """No generation in flight, every pooled worker alive (none a zombie), no other child process, and a next call
+    that is correct."""
+    assert not POOL._busy
+    pids = worker_pids()
+    assert all(pid_alive(pid) for pid in pids)
+    assert {p.pid for p in multiprocessing.active_children()} <= set(pids)
+    assert torch.equal(ssd(target, draft, ids), expected)
+    assert target.ssd_metrics.executor == "process" and target.ssd_metrics.generated_tokens == NEW
+
+
+def test_worker_persists_and_shares_the_draft(pair, case):
+    target, draft = pair
+    ids, expected = case
+    assert torch.equal(ssd(target, draft, ids), expected)
+    first = target.ssd_metrics
+    pid = worker_pids()
+    assert torch.equal(ssd(target, draft, ids), expected)
+    second = target.ssd_metrics
+    assert worker_pids() == pid  # the same worker served both calls
+    assert second.worker_start_seconds == 0.0 and second.draft_load_seconds == 0.0  # nothing paid again
+    assert first.executor == second.executor == "process" and second.draft_seconds > 0
+    assert set(second.draft_phase_seconds) >= {"glue_forward", "tree_forward", "prepare", "resolve", "begin"}
+    # the weights were moved to shared memory once (the worker maps them), not copied per call
+    assert all(p.is_shared() for p in draft.parameters())
+    # a weight replaced in place is seen by the worker (shared); a replaced tensor makes the pool hand it over again
+    with torch.no_grad():
+        draft.lm_head.weight = torch.nn.Parameter(draft.lm_head.weight.clone())
+    assert torch.equal(ssd(target, draft, ids), expected)
+    assert target.ssd_metrics.draft_load_seconds > 0
+
+
+@pytest.mark.parametrize("fail_after", [0, 1, 4])
+def test_draft_fault_in_the_worker_surfaces_with_its_traceback(pair, case, fail_after):
+    target, draft = pair
+    ids, expected = case
+    ssd(target, draft, ids)  # a running worker
+    pids = set(worker_pids())
+    failing = failing_copy(draft, fail_after)
+    with pytest.raises(DraftBoom, match="draft forward failed") as info:
+        ssd(target, failing, ids)
+    assert "draft_faults.py" in str(info.value.__cause__)  # the worker's traceback travels with the error
+    assert any(f"pid {pid}" in str(info.value) for pid in pids)  # it ran in a worker ...
+    assert set(worker_pids()) == pids  # ... which keeps serving
+    assert_idle_and_working(target, draft, ids, expected)
+
+
+class RecordThreads(LogitsProcessor):
+    def __init__(self):
+        self.seen = set()
+
+    def __call__(self, input_ids, scores):
+        self.seen.add(torch.get_num_threads())
+        return scores
+
+
+def test_thread_counts(pair, case):
+    """The target runs on `target_threads` while SSD runs (the worker on `draft_threads`, reported); the caller's
+    count is restored."""
+    target, draft = pair
+    ids, expected = case
+    before = torch.get_num_threads()
+    processor = RecordThreads()
+    config = SSDConfig(executor="process", draft_threads=2, target_threads=3)
+    out = target.generate(ids, assistant_model=draft, ssd_config=config, max_new_tokens=NEW, do_sample=False,
+                          logits_processor=LogitsProcessorList([processor]))
+    assert torch.equal(out, expected) and processor.seen == {3} and torch.get_num_threads() == before
+    assert (target.ssd_metrics.draft_threads, target.ssd_metrics.target_threads) == (2, 3)
+
+
+def test_keyboard_interrupt_in_the_worker_reaches_the_caller(pair, case):
+    target, draft = pair
+    ids, expected = case
+    with pytest.raises(KeyboardInterrupt):
+        ssd(target, failing_copy(draft, 3, "interrupt"), ids)
+    assert_idle_and_working(target, draft, ids, expected)
+
+
+class InterruptOnCall(LogitsProcessor):
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+        return scores
+
+
+def test_keyboard_interrupt_from_the_target_cancels_the_worker(pair, case):
+    target, draft = pair
+    ids, expected = case
+    ssd(target, draft, ids)
+    pids = set(worker_pids())
+    processor = InterruptOnCall(3)
+    with pytest.raises(KeyboardInterrupt):
+        ssd(target, draft, ids, logits_processor=LogitsProcessorList([processor]))
+    assert processor.calls == 3 and set(worker_pids()) == pids  # cancelled, not killed
+    assert_idle_and_working(target, draft, ids, expected)
+
+
+def test_ctrl_c_while_the_worker_drafts(pair, case):
+    """A real SIGINT to the caller while the worker is mid-task: KeyboardInterrupt, the worker's task is cancelled
+    through the control block (the worker itself ignores SIGINT) and the worker is reused."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are handled on the main thread only")
+    target, draft = pair
+    ids, expected = case
+    ssd(target, draft, ids)
+    pids = set(worker_pids())
+
+    class Interrupt(BaseStreamer):
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 3:  # the prompt, then the first round: the worker is preparing round two
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                time.sleep(0.05)
+
+        def end(self):
+            pass
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ssd(target, draft, ids, streamer=Interrupt())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert set(worker_pids()) == pids
+    assert_idle_and_working(target, draft, ids, expected)
+
+
+class KillWorker(BaseStreamer):
+    """Kills the draft worker with SIGKILL from the caller's thread after the first round's tokens."""
+
+    def __init__(self):
+        self.puts, self.killed_at = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            [worker] = POOL._busy  # the one serving this generation
+            self.pid = worker.pid
+            os.kill(worker.pid, signal.SIGKILL)
+            self.killed_at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def test_worker_killed_mid_generation(pair, case):
+    """kill -9 of the worker: a clear error in the caller within a second, the dead worker reaped (no zombie, no
+    orphan), and the next call starts a fresh worker and is correct."""
+    target, draft = pair
+    ids, expected = case
+    ssd(target, draft, ids)
+    streamer = KillWorker()
+    with pytest.raises(DraftWorkerError, match=r"killed by signal 9") as info:
+        try:
+            ssd(target, draft, ids, streamer=streamer)
+        finally:
+            raised_at = time.perf_counter()
+    old = streamer.pid
+    assert "next generate() call starts a new worker" in str(info.value)
+    assert raised_at - streamer.killed_at < 1.0
+    assert not pid_alive(old) and old not in worker_pids()
+    assert old not in {p.pid for p in multiprocessing.active_children()}  # reaped: no zombie
+    assert_idle_and_working(target, draft, ids, expected)
+    assert old not in worker_pids()
+
+
+def test_worker_dying_inside_a_forward(pair, case):
+    target, draft = pair
+    ids, expected = case
+    with pytest.raises(DraftWorkerError, match=r"killed by signal 9"):
+        ssd(target, failing_copy(draft, 2, "die"), ids)
+    assert_idle_and_working(target, draft, ids, expected)
+
+
+def test_close_workers_and_restart(pair, case):
+    target, draft = pair
+    ids, expected = case
+    ssd(target, draft, ids)
+    pids = worker_pids()
+    close_workers()
+    assert worker_pids() == [] and not any(pid_alive(pid) for pid in pids)
+    assert torch.equal(ssd(target, draft, ids), expected)
+    assert target.ssd_metrics.worker_start_seconds > 0  # a fresh worker, its start-up reported
+
+
+def test_auto_runs_on_a_thread_until_a_worker_is_ready(pair, case):
+    target, draft = pair
+    ids, expected = case
+    close_workers()
+    assert torch.equal(ssd(target, draft, ids, executor="auto"), expected)
+    assert target.ssd_metrics.executor == "thread"  # no worker yet: one starts in the background
+    deadline = time.time() + 120
+    while not POOL._idle and time.time() < deadline:
+        time.sleep(0.1)
+    assert torch.equal(ssd(target, draft, ids, executor="auto"), expected)
+    assert target.ssd_metrics.executor == "process"
+
+
+def test_a_draft_defined_in_main_cannot_cross(pair, case):
+    target, draft = pair
+    ids, expected = case
+    local_cls = type("LocalDraft", (type(draft),), {"__module__": "__main__"})
+    local = local_cls(draft.config).eval()
+    local.load_state_dict(draft.state_dict())
+    with pytest.raises(ValueError, match="defined in the script being run"):
+        ssd(target, local, ids)
+    assert torch.equal(ssd(target, local, ids, executor="auto"), expected)
+    assert target.ssd_metrics.executor == "thread"
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path[:0] = [{tests!r}, {root!r}]
+    from conftest import tiny_pair
+    from hf_ssd import SSDConfig
+    from hf_ssd.runtime.process import worker_pids
+    target, draft = tiny_pair("llama", seed=3)
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(executor="process"), max_new_tokens=8,
+                    do_sample=False)
+    print(*worker_pids(), flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_no_orphan_after_the_interpreter_ends(how, tmp_path):
+    """Unguarded script (no `if __name__ == "__main__"`), no explicit close: at a normal exit the worker is closed;
+    when the parent is killed with SIGKILL the worker notices and exits by itself."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests"), root=ROOT))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), "hang" if how == "kill" else "exit"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.strip(), proc.stderr.read()
+    [pid] = [int(x) for x in line.split()]
+    if how == "kill":
+        proc.kill()
+    proc.wait(timeout=120)
+    deadline = time.time() + 10
+    while pid_alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid), f"worker {pid} outlived its parent ({how})"
