@@ -6,7 +6,8 @@ Everything runs in ONE process on one model pair, greedy (`do_sample=False`), ba
 2. assisted   - transformers' own assisted generation with K draft tokens (constant schedule, confidence
                 threshold 0 so drafts are never cut short): the SD baseline
 3. ssd-thread - `generate(..., ssd_config=SSDConfig(lookahead=K, fanout_budget=B, executor="thread"))`
-4. ssd-sync   - the same with `executor="sync"` (draft work inline; no overlap)
+4. ssd-process - the same with `executor="process"` (the draft in a worker process: no shared GIL)
+5. ssd-sync   - the same with `executor="sync"` (draft work inline; no overlap)
 
 Each method is warmed up once, then every repeat runs all methods in a rotated order (interleaved, so slow drift of
 a shared machine hits all of them alike). Per repeat and method two timed calls are made with
@@ -55,6 +56,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hf_ssd import SSDConfig, enable_ssd  # noqa: E402
+from hf_ssd.bench.critical_path import critical_path, critical_path_table  # noqa: E402
+from hf_ssd.bench.predict import measure_latencies, predict_from_runs  # noqa: E402
 
 DEFAULT_PROMPT = (
     "def quicksort(values):\n    \"\"\"Sort a list of numbers with quicksort and return a new list.\"\"\"\n"
@@ -67,29 +70,8 @@ METRIC_FIELDS = (
 
 
 # --- models ------------------------------------------------------------------------------------------------------
-def truncated_draft(target, layers: int):
-    """A draft made of the target's first `layers` decoder layers (same embeddings, norm and LM head)."""
-    cls = type(target)
-    config = type(target.config)(**{**target.config.to_dict(), "num_hidden_layers": layers})
-    draft = cls(config).eval()
-    state = {
-        k: v for k, v in target.state_dict().items()
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
-    }
-    draft.load_state_dict(state)
-    return draft
-
-
-def scale_upper_layers(target, first: int, scale: float) -> None:
-    """Multiply the residual-branch outputs (o_proj, down_proj) of layers >= `first` by `scale`.
-
-    The upper layers then perturb the residual stream less, so a draft of the first layers agrees more often with
-    the target (about 0.6 draft acceptance at 0.05 for the default pair) while both keep their real costs.
-    """
-    with torch.no_grad():
-        for layer in target.model.layers[first:]:
-            layer.self_attn.o_proj.weight.mul_(scale)
-            layer.mlp.down_proj.weight.mul_(scale)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pairs import PAIRS, build_pair, scale_upper_layers, truncated_draft  # noqa: E402
 
 
 def quantized_draft(draft):
@@ -135,22 +117,25 @@ def load_pair(args):
         elif args.draft:
             draft = AutoModelForCausalLM.from_pretrained(resolve(args.draft), dtype=torch.float32).eval()
         else:
-            draft = truncated_draft(target, args.draft_layers)
+            draft = truncated_draft(target, args.draft_layers or 2)
+    elif args.pair:
+        target, draft, desc = build_pair(args.pair)
     else:
         from hf_ssd.cli import _random_pair
 
         target, draft, _ = _random_pair()
         desc = "random Llama (hf_ssd.cli._random_pair)"
-        if args.upper_scale != 1.0:  # the draft holds only layers < draft_layers: untouched by the scaling
-            scale_upper_layers(target, args.draft_layers, args.upper_scale)
-            desc += f", layers >= {args.draft_layers} scaled by {args.upper_scale}"
+        if args.upper_scale != 1.0:  # the draft holds only layers < 2: untouched by the scaling
+            scale_upper_layers(target, 2, args.upper_scale)
+            desc += f", layers >= 2 scaled by {args.upper_scale}"
+    if not args.target:
         if args.draft == "self":
             draft = target
         elif args.draft:
             from transformers import AutoModelForCausalLM
 
             draft = AutoModelForCausalLM.from_pretrained(resolve(args.draft), dtype=torch.float32).eval()
-        elif args.draft_layers != draft.config.num_hidden_layers:
+        elif args.draft_layers and args.draft_layers != draft.config.num_hidden_layers:
             draft = truncated_draft(target, args.draft_layers)
     if args.quantize_draft:
         draft = quantized_draft(draft)
@@ -211,7 +196,7 @@ class Runner:
 
     def ssd_config(self, method: Method) -> SSDConfig:
         threads = {}
-        if method.executor == "thread":
+        if method.executor in ("thread", "process", "auto"):
             threads = dict(draft_threads=self.draft_threads, target_threads=self.target_threads)
         return SSDConfig(
             lookahead=method.lookahead, fanout_budget=method.budget, fanout=self.args.fanout,
@@ -226,9 +211,13 @@ class Runner:
         kwargs = {}
         if method.kind == "assisted":
             gen = self.draft.generation_config
-            gen.num_assistant_tokens = method.lookahead
-            gen.num_assistant_tokens_schedule = "constant"
-            gen.assistant_confidence_threshold = 0
+            if method.lookahead:  # a fixed K, never cut short
+                gen.num_assistant_tokens = method.lookahead
+                gen.num_assistant_tokens_schedule = "constant"
+                gen.assistant_confidence_threshold = 0
+            else:  # transformers' defaults (20 tokens, cut by the 0.4 confidence threshold)
+                gen.num_assistant_tokens = gen.num_assistant_tokens_schedule = None
+                gen.assistant_confidence_threshold = None
             kwargs = dict(assistant_model=self.draft)
         elif method.kind == "ssd":
             kwargs = dict(assistant_model=self.draft, ssd_config=self.ssd_config(method))
@@ -245,15 +234,17 @@ class Runner:
 def build_methods(args, runner: Runner) -> list[Method]:
     wanted = set(args.methods)
     methods = [Method("plain", "plain", threads=f"{args.threads}")]
+    if "assisted-default" in wanted:
+        methods.append(Method("assisted default", "assisted", lookahead=0, threads=f"{args.threads}"))
     for k in args.lookahead:
         if "assisted" in wanted:
             methods.append(Method(f"assisted K={k}", "assisted", lookahead=k, threads=f"{args.threads}"))
         for b in args.budget:
-            for executor in ("thread", "sync"):
+            for executor in ("thread", "process", "auto", "sync"):
                 if executor not in wanted:
                     continue
                 threads = (
-                    f"d{runner.draft_threads}+t{runner.target_threads}" if executor == "thread"
+                    f"d{runner.draft_threads}+t{runner.target_threads}" if executor != "sync"
                     else f"{args.threads} shared"
                 )
                 methods.append(Method(f"ssd-{executor} K={k} B={b}", "ssd", k, b, executor, threads))
@@ -291,9 +282,10 @@ def summarise(methods: list[Method]) -> dict:
         if m.kind == "ssd":
             sd = by_name.get(f"assisted K={m.lookahead}")
             row["vs_assisted"] = decode / med(sd.decode_tps()) if sd else None
-            if m.executor == "thread":
+            if m.executor != "sync":
                 sync = by_name.get(f"ssd-sync K={m.lookahead} B={m.budget}")
                 row["thread_vs_sync"] = decode / med(sync.decode_tps()) if sync else None
+            row["critical_path"] = critical_path(m.metrics)
             row["metrics"] = m.metrics
             row["metrics_median"] = {
                 key: med([float(x[key]) for x in m.metrics]) for key in METRIC_FIELDS if m.metrics
@@ -305,20 +297,26 @@ def summarise(methods: list[Method]) -> dict:
 def print_tables(summary: dict, methods: list[Method]) -> None:
     by_name = {m.name: m for m in methods}
     plain = summary["plain_decode_tok_s"]
+    assisted = [m for m in methods if m.kind == "assisted"]
+    best_sd = max(assisted, key=lambda m: med(m.decode_tps()), default=None)
     print("\n### Throughput (greedy, batch 1; median [min–max] over repeats)\n")
-    print("| method | threads | decode tok/s | e2e tok/s | 1st-token ms | ×plain | ×assisted(K) | thread/sync "
-          "| identical |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if best_sd is not None:
+        print(f"Best SD (transformers' assisted generation): {best_sd.name}, {med(best_sd.decode_tps()):.1f} tok/s.\n")
+    print("| method | threads | decode tok/s | e2e tok/s | 1st-token ms | ×plain | ×assisted(K) | ×best SD "
+          "| thread/sync | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in methods:
         decode = med(m.decode_tps())
         sd = by_name.get(f"assisted K={m.lookahead}") if m.kind == "ssd" else None
-        sync = by_name.get(f"ssd-sync K={m.lookahead} B={m.budget}") if m.executor == "thread" else None
+        concurrent = m.kind == "ssd" and m.executor != "sync"
+        sync = by_name.get(f"ssd-sync K={m.lookahead} B={m.budget}") if concurrent else None
         first_ms = [1e3 * s for s in m.first_s]
         same = "yes" if all(m.identical) else f"NO ({sum(not x for x in m.identical)}/{len(m.identical)} differ)"
         print(
             f"| {m.name} | {m.threads} | {spread(m.decode_tps())} | {spread(m.e2e_tps())} "
             f"| {spread(first_ms, '{:.0f}')} | {ratio(decode, plain)} "
             f"| {ratio(decode, med(sd.decode_tps())) if sd else '-'} "
+            f"| {ratio(decode, med(best_sd.decode_tps())) if best_sd and m.kind == 'ssd' else '-'} "
             f"| {ratio(decode, med(sync.decode_tps())) if sync else '-'} | {same} |"
         )
     ssd = [m for m in methods if m.kind == "ssd"]
@@ -342,13 +340,50 @@ def print_tables(summary: dict, methods: list[Method]) -> None:
         )
 
 
+def print_critical_paths(args, runner: Runner, methods: list[Method]) -> dict:
+    """Per K and B: where an SSD round goes for each executor, and the speed model's prediction from directly
+    measured forwards (at the target's thread count) next to the measured decode tok/s."""
+    predictions = {}
+    for k in args.lookahead:
+        for b in args.budget:
+            ssd = [m for m in methods if m.kind == "ssd" and m.lookahead == k and m.budget == b and m.metrics]
+            if not ssd:
+                continue
+            print(f"\n### SSD critical path, K={k} B={b} (ms per decode round, pooled over repeats)\n")
+            print(critical_path_table({m.executor: critical_path(m.metrics) for m in ssd}))
+            torch.set_num_threads(runner.target_threads)
+            latencies = measure_latencies(runner.target, runner.draft, runner.input_ids, k, b,
+                                          threads=runner.target_threads, repeats=5)
+            torch.set_num_threads(args.threads)
+            print(f"\nSpeed model (forwards measured directly: verify(K) "
+                  f"{latencies['target_verify_ms'][str(k)]:.2f} ms, draft step {latencies['draft_step_ms']:.2f} ms, "
+                  f"draft round {latencies['draft_round_ms'][str(b)]:.2f} ms; this run's acceptance and hits):\n")
+            print("| method | measured decode tok/s | predicted tok/s | measured / predicted |")
+            print("|---|---|---|---|")
+            pred = None
+            for m in ssd:
+                if m.executor == "sync":
+                    continue
+                pred = predict_from_runs(latencies, m.metrics, k, b, m.executor if m.executor != "auto" else "process")
+                got = med(m.decode_tps())
+                predictions[m.name] = {"measured": got, "predicted": pred["ssd_tok_s"], "prediction": pred}
+                print(f"| {m.name} | {got:.1f} | {pred['ssd_tok_s']:.1f} | {got / pred['ssd_tok_s']:.2f} |")
+            sd = next((m for m in methods if m.name == f"assisted K={k}"), None)
+            if sd is not None and pred is not None:
+                got = med(sd.decode_tps())
+                want = pred["sd_tok_s"]
+                print(f"| {sd.name} | {got:.1f} | {want:.1f} | {got / want:.2f} |")
+    return predictions
+
+
 # --- main --------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="hub id or local folder (AutoModelForCausalLM); default: random medium Llama")
     parser.add_argument("--draft", help="hub id or local folder, or 'self' (the target drafts for itself); "
                         "default: the target's first --draft-layers layers")
-    parser.add_argument("--draft-layers", type=int, default=2, help="layers of the default truncated draft")
+    parser.add_argument("--pair", choices=sorted(PAIRS), help="a small pair from benchmarks/pairs.py")
+    parser.add_argument("--draft-layers", type=int, help="layers of the truncated draft (default: 2, or the pair's)")
     parser.add_argument("--upper-scale", type=float, default=1.0,
                         help="default random pair only: scale the target's layers above the draft's by this factor "
                         "(e.g. 0.05) to raise draft/target agreement; 1.0 = hf_ssd.cli._random_pair unchanged")
@@ -367,8 +402,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="total intra-op threads")
     parser.add_argument("--draft-threads", type=int, help="SSD-thread draft threads (default threads//2)")
     parser.add_argument("--target-threads", type=int, help="SSD-thread target threads (default the rest)")
-    parser.add_argument("--methods", nargs="+", default=["assisted", "thread", "sync"],
-                        choices=["assisted", "thread", "sync"], help="which methods besides plain to run")
+    parser.add_argument("--methods", nargs="+", default=["assisted", "assisted-default", "thread", "process", "sync"],
+                        choices=["assisted", "assisted-default", "thread", "process", "auto", "sync"],
+                        help="which methods besides plain to run (assisted: fixed K; assisted-default: transformers' "
+                        "own schedule)")
     parser.add_argument("--json", help="write every figure to this JSON file")
     return parser.parse_args(argv)
 
@@ -418,6 +455,7 @@ def main(argv=None) -> int:
     if any(n < n_new for m in methods for n in m.new_tokens):
         print("# note: some runs stopped before N tokens (EOS); tok/s uses the tokens actually generated")
     print_tables(summary, methods)
+    summary["predictions"] = print_critical_paths(args, runner, methods)
     print(
         "\nDecode tok/s excludes prefill: (new tokens − 1) / (time(N) − time(1)), both timed per repeat with "
         "perf_counter; time(1) is a separate generate(max_new_tokens=1) call (prefill, the draft's prefill and first "

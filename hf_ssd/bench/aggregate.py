@@ -159,8 +159,11 @@ def summarise_method(records: Sequence[RunRecord], kind: str) -> dict[str, Any]:
     }
     out["decode_window"] = decode_window(records)
     if kind in ("ssd", "ssd-sync"):
+        from .critical_path import critical_path
+
         out["ssd"] = aggregate_ssd_metrics([r.metrics for r in records if r.metrics])
         out["ssd_decode_window"] = ssd_decode_window(records, out["ssd"])
+        out["critical_path"] = critical_path([r.metrics for r in records if r.metrics])
     return out
 
 

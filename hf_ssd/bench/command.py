@@ -14,6 +14,7 @@ from .measure import BenchSettings, build_methods
 from .prompts import load_prompt_sets
 from .report import (
     comparison_table,
+    critical_path_lines,
     gap_lines,
     h100_lines,
     latency_lines,
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="ar,sd,ssd", help=f"comma-separated: {', '.join(METHOD_KINDS)}")
     parser.add_argument("--framing", default="both", choices=[*FRAMINGS, "both"],
                         help="extra-cores: AR/SD on the SSD target's threads; equal-cores: on draft + target threads")
+    parser.add_argument("--executor", default="auto", choices=["auto", "thread", "process"],
+                        help="where SSD's draft runs (the ssd method; ssd-sync is always inline)")
     parser.add_argument("--draft-threads", type=int, default=1, help="SSD draft worker's intra-op threads")
     parser.add_argument("--target-threads", type=int, default=1, help="SSD target's intra-op threads")
     parser.add_argument("--no-latencies", action="store_true", help="skip the latency measurement and predictions")
@@ -112,6 +115,10 @@ def print_report(results: Mapping[str, Any], out: Path | None = None) -> None:
         print("\n".join(gap_lines(results)))
     print("\n## Per round after the first emission\n")
     print(window_table(results))
+    lines = critical_path_lines(results)
+    if lines:
+        print("\n## SSD's critical path, per side\n")
+        print("\n".join(lines))
     for line in h100_lines(results):
         print(line)
     print(f"\n{results['decode_timing']}")
@@ -165,6 +172,7 @@ def run_command(args: argparse.Namespace) -> int:
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), framing=args.framing,
         draft_threads=args.draft_threads, target_threads=args.target_threads, seed=args.seed, fanout=args.fanout,
         backup=args.backup, latencies=not args.no_latencies, overlap_efficiency=args.overlap_efficiency,
+        executor=args.executor,
     )
     build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads)  # validate
     prompt_sets = load_prompt_sets(args.prompts, args.limit, args.prompts_dir)

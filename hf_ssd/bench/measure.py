@@ -168,6 +168,7 @@ class BenchSettings:
     seed: int = 0
     fanout: str = "geometric"
     backup: str = "auto"
+    executor: str = "auto"  # the ssd method's; ssd-sync runs inline
     warmup_tokens: int = 8
     latencies: bool = True
     latency_repeats: int = 3
@@ -192,8 +193,9 @@ class BenchSettings:
         threads = {}
         if spec.kind == "ssd":
             threads = dict(draft_threads=spec.draft_threads, target_threads=spec.target_threads)
+        executor = self.executor if spec.kind == "ssd" else spec.executor
         return SSDConfig(lookahead=self.lookahead, fanout_budget=self.budget, fanout=self.fanout, backup=self.backup,
-                         executor=spec.executor, **threads)
+                         executor=executor, **threads)
 
 
 @dataclass

@@ -116,6 +116,16 @@ def window_table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def critical_path_lines(results: Mapping[str, Any]) -> list[str]:
+    """Per side, where an SSD decode round goes (all datasets), from the runs' `SSDMetrics`."""
+    from .critical_path import critical_path_table
+
+    paths = {key: s.get("critical_path") for key, s in results["summary"][ALL].items() if s.get("critical_path")}
+    table = critical_path_table({f"{key} ({', '.join(p['executor'])})": p for key, p in paths.items()})
+    return [table, "", "ms per decode round (first round, with the prefills, left out). Target phases add up to "
+            "the round; the draft's forwards and its own Python run concurrently with them."] if table else []
+
+
 def gap_lines(results: Mapping[str, Any]) -> list[str]:
     """`explain_gap` (SSD) and the SD / AR equivalents, wherever measured and predicted differ by more than 10%."""
     return [f"- {dataset} {row['method']}: " + "; ".join(row["gap"])
@@ -189,7 +199,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         out += [f"## {framing}: {info['description']}", "", comparison_table(results, framing), ""]
     out += ["## Every method (all datasets)", "", method_table(results), "",
             "## Where the time goes: per round after the first emission (forward hooks)", "", window_table(results),
-            "",
+            "", "## SSD's critical path, per side", "", *critical_path_lines(results), "",
             "## Per prompt (decode tok/s, first repeat)", "", prompt_table(results), ""]
     table = prediction_table(results)
     if table:

@@ -102,9 +102,15 @@ def run_bench(
     if not encoded:
         raise ValueError("no prompts to run")
 
-    # Warm-up: every method once, on the first prompt, a few tokens.
+    # Warm-up: the draft's worker process (measured runs then see the executor "auto" settles on), then every
+    # method once, on the first prompt, a few tokens.
     warm_ids = encoded[0][2]
     warm = {}
+    if settings.executor in ("auto", "process") and draft.device.type == "cpu" and any(
+            m.kind == "ssd" for m in methods):
+        from ..runtime import start_draft_worker
+
+        warm["draft worker"] = start_draft_worker(draft)
     for spec in methods:
         t0 = time.perf_counter()
         generate_once(target, draft, warm_ids, spec, settings, min(settings.warmup_tokens, settings.max_new_tokens),
