@@ -324,7 +324,7 @@ def print_tables(summary: dict, methods: list[Method]) -> None:
         return
     print("\n### SSD metrics (medians over repeats; seconds are per generate() call of N tokens)\n")
     print("| method | rounds | hit rate | mean acc. len | draft acc. | target wait s | draft s | verify s | wall s "
-          "| verify ms/round | draft ms/round | fan-out primary / backup (final) |")
+          "| verify ms/round | draft ms/round | fan-out after hit / miss (final) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row, m in zip(summary["methods"], methods):
         if m.kind != "ssd":
@@ -336,7 +336,7 @@ def print_tables(summary: dict, methods: list[Method]) -> None:
             f"| {m.name} | {x['rounds']:.0f} | {x['cache_hit_rate']:.2f} | {x['mean_accepted_length']:.2f} "
             f"| {x['draft_acceptance_rate']:.2f} | {x['target_wait_seconds']:.3f} | {x['draft_seconds']:.3f} "
             f"| {x['verify_seconds']:.3f} | {x['wall_seconds']:.3f} | {1e3 * x['verify_seconds'] / rounds:.1f} "
-            f"| {1e3 * x['draft_seconds'] / rounds:.1f} | {schedule.get('primary')} / {schedule.get('backup')} |"
+            f"| {1e3 * x['draft_seconds'] / rounds:.1f} | {schedule.get('hit')} / {schedule.get('miss')} |"
         )
 
 

@@ -24,7 +24,10 @@ PAIRS = {
 
 def truncated_draft(target, layers: int):
     """A draft made of the target's first `layers` decoder layers (same embeddings, norm and LM head)."""
-    config = type(target.config)(**{**target.config.to_dict(), "num_hidden_layers": layers})
+    settings = {**target.config.to_dict(), "num_hidden_layers": layers}
+    if settings.get("layer_types"):
+        settings["layer_types"] = settings["layer_types"][:layers]
+    config = type(target.config)(**settings)
     draft = type(target)(config).eval()
     state = {
         k: v for k, v in target.state_dict().items()

@@ -10,7 +10,8 @@ from hf_ssd import SSDConfig
 from hf_ssd.precision import apply_precision
 
 
-def test_int8_draft_keeps_greedy_output_exact():
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_int8_draft_keeps_greedy_output_exact(executor):
     target, draft = tiny_pair("qwen2", seed=21)
     quantized = apply_precision(draft, "int8")
     assert type(quantized.lm_head).__module__.startswith("torch.ao.nn.quantized")
@@ -18,9 +19,9 @@ def test_int8_draft_keeps_greedy_output_exact():
         torch.manual_seed(0)
         input_ids = torch.randint(0, 96, (1, 9))
         expected = target.generate(input_ids, max_new_tokens=30, do_sample=False)
-        out = target.generate(input_ids, assistant_model=self_draft, ssd_config=SSDConfig(lookahead=3),
-                              max_new_tokens=30, do_sample=False)
-        assert torch.equal(out, expected)
+        out = target.generate(input_ids, assistant_model=self_draft, max_new_tokens=30, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected) and target.ssd_metrics.executor == executor
 
 
 def test_precision_validation():

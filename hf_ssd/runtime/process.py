@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import itertools
 import logging
 import multiprocessing.connection
@@ -75,6 +76,27 @@ def _without_main_module():
             yield
         finally:
             multiprocessing.spawn.get_preparation_data = original
+
+
+class _DraftPickler(ForkingPickler):
+    """torch's multiprocessing pickler (tensors travel as shared memory), except for quantized tensors (an int8
+    draft's packed weights), which its shared-memory path cannot rebuild: they travel as their integer
+    representation (shared) and are requantized, i.e. copied once, by the worker."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.is_quantized:
+            if obj.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+                return torch._make_per_tensor_quantized_tensor, (obj.int_repr(), obj.q_scale(), obj.q_zero_point())
+            return torch._make_per_channel_quantized_tensor, (
+                obj.int_repr(), obj.q_per_channel_scales(), obj.q_per_channel_zero_points(), obj.q_per_channel_axis()
+            )
+        return NotImplemented
+
+    @classmethod
+    def dumps(cls, obj, protocol=None) -> bytes:
+        buffer = io.BytesIO()
+        cls(buffer, protocol).dump(obj)
+        return buffer.getvalue()
 
 
 def _draft_fingerprint(draft: torch.nn.Module) -> tuple:
@@ -181,7 +203,7 @@ class Worker:
             return 0.0
         start = time.perf_counter()
         try:  # before anything is sent: a draft that does not pickle leaves the worker as it was
-            payload = ForkingPickler.dumps(draft)  # weights move to shared memory (once); the worker maps them
+            payload = _DraftPickler.dumps(draft)  # weights move to shared memory (once); the worker maps them
         except Exception as err:
             raise DraftNotShareable(
                 f"executor='process' cannot hand this draft to a worker process ({type(err).__name__}: {err}); "

@@ -12,6 +12,7 @@ import pickle
 import signal
 import time
 import traceback
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -184,6 +185,8 @@ def _error_payload(err: BaseException) -> tuple:
 def main(conn, control: torch.Tensor, threads: int) -> None:
     """Entry point of the spawned process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # an int8 draft's weights are requantized on arrival; torch.ao's deprecation notice says nothing to the user
+    warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
     start = time.perf_counter()
     torch.set_num_threads(threads)
     import transformers  # noqa: F401  (the drafts' modules import it; paid here, at start-up)
