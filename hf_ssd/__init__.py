@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DraftWorkerError": ".runtime",
     "SSDConfig": ".config",
     "SSDMetrics": ".metrics",
     "SSDGenerationMixin": ".generation",
@@ -24,6 +25,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "DraftWorkerError",
     "SSDConfig",
     "SSDGenerateDecoderOnlyOutput",
     "SSDGenerationMixin",
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from .config import SSDConfig
     from .generation import SaguaroCandidateGenerator, SSDGenerateDecoderOnlyOutput, SSDGenerationMixin, enable_ssd
     from .metrics import SSDMetrics
+    from .runtime import DraftWorkerError
 
 
 def __getattr__(name: str):

@@ -3,6 +3,7 @@ monkeypatch in the test process cannot reach the draft)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
@@ -20,6 +21,7 @@ class FailingDraft(LlamaForCausalLM):
     fail_after: int = -1
     failure: str = "boom"  # "boom", "interrupt" or "die"
 
+    @functools.wraps(LlamaForCausalLM.forward)  # the same signature (hf_ssd reads the cache argument's name)
     def forward(self, *args, **kwargs):
         calls = self.__dict__.get("calls", 0)
         self.__dict__["calls"] = calls + 1

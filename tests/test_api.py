@@ -433,3 +433,19 @@ def test_cli_demo_runs_and_checks_identity(capsys, batch_size):
     assert main(["demo", "--max-new-tokens", "8", "--batch-size", str(batch_size), "--executor", "sync"]) == 0
     out = capsys.readouterr().out
     assert f"SSD identical to plain greedy: {batch_size}/{batch_size} rows" in out and "tok/s" in out
+
+
+def test_an_ssd_enabled_model_pickles_and_deepcopies(pair):
+    """enable_ssd's class carries the original's name; pickling (also to hand the model to a draft worker
+    process) rebuilds it instead of finding the original, and the per-model lock is not pickled."""
+    import copy
+    import pickle
+
+    target, draft = pair
+    ids = prompt(seed=12)
+    expected = greedy(target, ids)
+    greedy(target, ids, assistant_model=draft, ssd_config={"executor": "sync"})  # the model now holds its lock
+    for clone in (pickle.loads(pickle.dumps(target)), copy.deepcopy(target)):
+        assert type(clone) is type(target) and isinstance(clone, SSDGenerationMixin)
+        assert torch.equal(greedy(clone, ids), expected)
+        assert torch.equal(greedy(clone, ids, assistant_model=draft, ssd_config={"executor": "sync"}), expected)

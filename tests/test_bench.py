@@ -205,6 +205,31 @@ def test_comparisons_and_markdown_table():
     assert "n/a (sampling)" in comparison_table({**results, "greedy": False}, "equal-cores")
 
 
+def test_critical_path_per_decode_round():
+    """Milliseconds per decode round: the first round (prefills) left out, target phases adding up to the round,
+    the draft's own Python = its tasks minus its model calls."""
+    from hf_ssd.bench.critical_path import critical_path, critical_path_table
+
+    run = {
+        "batch_rounds": 11, "generated_tokens": 30, "wall_seconds": 1.3, "first_verify_seconds": 0.2,
+        "first_wait_seconds": 0.1, "executor": "process",
+        "target_phase_seconds": {"target_forward": 0.9, "verify": 0.01, "emit": 0.02, "realign": 0.01,
+                                 "hand_off": 0.005, "wait_prepare": 0.03, "wait_resolve": 0.02, "wait_first": 0.1},
+        "draft_phase_seconds": {"glue_forward": 0.1, "tree_forward": 0.6, "backup_forward": 0.05, "compact": 0.01,
+                                "prepare": 0.75, "resolve": 0.08, "begin": 0.1},
+    }
+    path = critical_path([run, {**run, "batch_rounds": 1}])  # a one-round run has no decode rounds: left out
+    assert path["rounds"] == 10 and path["round_ms"] == pytest.approx(100.0)
+    target, draft = path["target_ms"], path["draft_ms"]
+    assert target["target_forward"] == pytest.approx(70.0)  # (0.9 - 0.2) / 10
+    assert sum(target.values()) == pytest.approx(100.0) and target["other"] == pytest.approx(100 - 70 - 9.5)
+    assert draft["prepare_python"] == pytest.approx(5.0) and draft["resolve_python"] == pytest.approx(2.0)
+    assert sum(draft.values()) == pytest.approx(100.0) and draft["idle"] == pytest.approx(100 - 83)
+    table = critical_path_table({"process": path, "missing": None})
+    assert "| target | target forward (verification) | 70.00 |" in table and "missing" not in table
+    assert critical_path([{**run, "target_phase_seconds": {}}]) is None
+
+
 # --- end to end --------------------------------------------------------------------------------------------------
 
 
@@ -237,7 +262,10 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
         assert run["new_tokens"] == 8 and isinstance(run["e2e_s"], float) and run["e2e_s"] > 0
         assert sum(run["round_sizes"]) == 8 and run["identical"] is True  # fp32 greedy: exact
     ssd_runs = [r for r in data["runs"] if r["method"] == "ssd@1+1"]
-    assert all(r["metrics"]["draft_threads"] == 1 for r in ssd_runs)
+    assert all(r["metrics"]["draft_threads"] == 1 and r["metrics"]["executor"] == "process" for r in ssd_runs)
+    path = data["summary"][ALL]["ssd@1+1"]["critical_path"]
+    assert path["executor"] == ["process"] and path["round_ms"] > 0
+    assert sum(path["target_ms"].values()) == pytest.approx(path["round_ms"])
     s = data["summary"]["tiny"]["ssd@1+1"]
     assert isinstance(s["decode_tok_s"], float) and s["decode_tok_s"] > 0
     assert set(s["ssd"]) >= {"cache_hit_rate", "mean_accepted_length", "target_wait_seconds", "hits_by_fanout"}
@@ -249,6 +277,7 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
     assert "PREDICTION" in data["h100_prediction"]["llama-70b"]["label"]
     md = (out / "results.md").read_text()
     assert "## extra-cores" in md and "| **all** |" in md and "H100 (PREDICTION" in md
+    assert "## SSD's critical path, per side" in md and "ssd@1+1 (process)" in md
     assert render_markdown(data) == md
     # Re-deriving from results.json alone gives the same report.
     again = render(out, plots=False)

@@ -261,6 +261,33 @@ def test_auto_runs_on_a_thread_until_a_worker_is_ready(pair, case):
     assert target.ssd_metrics.executor == "process"
 
 
+def test_a_worker_started_ahead_serves_auto_from_the_first_call(pair, case):
+    from hf_ssd.runtime import start_draft_worker
+
+    target, draft = pair
+    ids, expected = case
+    close_workers()
+    assert start_draft_worker(draft) > 0 and len(worker_pids()) == 1
+    assert torch.equal(ssd(target, draft, ids, executor="auto"), expected)
+    m = target.ssd_metrics
+    assert m.executor == "process" and m.worker_start_seconds == 0.0 and m.draft_load_seconds == 0.0
+
+
+def test_a_draft_with_hooks_does_not_cross(pair, case):
+    target, draft = pair
+    ids, expected = case
+    local = failing_copy(draft, -1)  # never fails; a fresh object with a hook that cannot be pickled
+    hook = local.register_forward_hook(lambda *args: None)
+    try:
+        with pytest.raises(ValueError, match="does not pickle|do not pickle"):
+            ssd(target, local, ids)
+        assert not POOL._busy and all(pid_alive(pid) for pid in worker_pids())  # the worker was left as it was
+        assert torch.equal(ssd(target, local, ids, executor="auto"), expected)
+        assert target.ssd_metrics.executor == "thread"
+    finally:
+        hook.remove()
+
+
 def test_a_draft_defined_in_main_cannot_cross(pair, case):
     target, draft = pair
     ids, expected = case

@@ -166,6 +166,23 @@ def test_ngram_lookup_prefers_longest_recent_match():
     assert ngram_lookup(ctx, 2, 3) == [4, 9]  # "1 2 3" matched at the start
     assert ngram_lookup([5, 6, 7], 3, 3) == []
     assert ngram_lookup([4, 8, 4], 2, 2) == [8, 4]
+    assert ngram_lookup([7], 3, 3) == [] and ngram_lookup([], 3, 3) == []
+
+
+def _ngram_reference(context, lookahead, ngram_max):
+    """The definition, token by token: the longest suffix n-gram's most recent earlier occurrence, continued."""
+    for n in range(min(ngram_max, len(context) - 1), 0, -1):
+        suffix = context[len(context) - n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                return context[start + n:start + n + lookahead]
+    return []
+
+
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 6), st.integers(1, 4))
+@settings(max_examples=300, deadline=None)
+def test_ngram_lookup_matches_its_definition(context, lookahead, ngram_max):
+    assert ngram_lookup(context, lookahead, ngram_max) == _ngram_reference(context, lookahead, ngram_max)
 
 
 def test_backup_speculation_probs_are_what_was_sampled():

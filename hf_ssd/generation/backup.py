@@ -10,19 +10,20 @@ from __future__ import annotations
 import torch
 
 
-def ngram_lookup(context: list[int], lookahead: int, ngram_max: int) -> list[int]:
+def ngram_lookup(context: list[int] | torch.Tensor, lookahead: int, ngram_max: int) -> list[int]:
     """Prompt lookup: continue the most recent earlier occurrence of the longest matching suffix n-gram.
 
-    Returns up to `lookahead` tokens (possibly none).
+    Returns up to `lookahead` tokens (possibly none). One tensor comparison per n over the whole context.
     """
-    n_ctx = len(context)
+    ctx = torch.as_tensor(context, dtype=torch.long)
+    n_ctx = ctx.shape[0]
     for n in range(min(ngram_max, n_ctx - 1), 0, -1):
-        suffix = context[n_ctx - n :]
-        for start in range(n_ctx - n - 1, -1, -1):
-            if context[start : start + n] == suffix:
-                follow = context[start + n : start + n + lookahead]
-                if follow:
-                    return follow
+        # every earlier window of n tokens (the suffix itself, starting at n_ctx - n, excluded)
+        windows = ctx[: n_ctx - 1].unfold(0, n, 1)
+        starts = (windows == ctx[n_ctx - n :]).all(dim=1).nonzero()
+        if starts.numel():
+            start = int(starts[-1]) + n
+            return ctx[start : start + lookahead].tolist()
     return []
 
 
