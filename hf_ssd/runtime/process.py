@@ -55,19 +55,24 @@ class _RemoteTraceback(Exception):
 _spawn_lock = threading.Lock()
 
 
+WORKER_NAME = "hf-ssd-draft-worker"
+
+
 @contextlib.contextmanager
 def _without_main_module():
     """Spawn a worker without re-running the caller's `__main__` in it.
 
     The worker needs hf_ssd and the draft's classes, never the user's script: re-importing it would run an
-    unguarded script's generate() a second time. So the spawn preparation data omits the main module.
+    unguarded script's generate() a second time. So the spawn preparation data of our worker (recognised by its
+    process name; other processes spawned meanwhile are untouched) omits the main module.
     """
     original = multiprocessing.spawn.get_preparation_data
 
     def preparation_data(name):
         data = original(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
+        if name == WORKER_NAME:
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
         return data
 
     with _spawn_lock:
@@ -123,7 +128,7 @@ class Worker:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=worker_main, args=(child, self.control, threads), daemon=True,
-                                   name="hf-ssd-draft-worker")
+                                   name=WORKER_NAME)
         start = time.perf_counter()
         with _without_main_module():
             self.process.start()
