@@ -32,7 +32,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--lookahead", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None)
-    parser.add_argument("--executor", default="auto", choices=["auto", "thread", "sync"])
+    parser.add_argument("--executor", default="auto", choices=["auto", "process", "thread", "sync"])
     parser.add_argument("--draft-precision", default="int8", choices=["fp32", "int8"],
                         help="CPU precision of the draft; int8 keeps the output exact (default: int8)")
     parser.add_argument("--target-precision", default="fp32", choices=["fp32", "int8"],
@@ -141,6 +141,13 @@ def demo(args) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, **{k: v for k, v in inputs.items()
                                                                          if k != "input_ids"})
     target.generate(input_ids, **{**common, "max_new_tokens": 4})  # warm-up
+    worker_s = None
+    if config.executor in ("auto", "process") and draft.device.type == "cpu":
+        from .runtime import start_draft_worker
+        from .runtime.process import shareable
+
+        if shareable(draft) is None:  # the draft's worker process, started once (auto then uses it)
+            worker_s = start_draft_worker(draft)
     start = time.perf_counter()
     plain = target.generate(input_ids, **common)
     plain_s = time.perf_counter() - start
@@ -173,7 +180,8 @@ def demo(args) -> int:
     assisted_alike = torch.equal(assisted[0], plain) if args.batch_size == 1 else None
     print(f"target: {type(target).__name__} {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params; "
           f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params; batch size {args.batch_size}")
-    print(f"config: {config.to_json_string()}")
+    print(f"config: {config.to_json_string()}; SSD ran on executor {metrics.executor!r}"
+          + (f" (its worker process started in {worker_s:.1f}s, once per interpreter)" if worker_s else ""))
     batch_note = " (batched)" if args.batch_size > 1 else ""
     print(f"plain greedy{batch_note:<17}: {plain_new / plain_s:8.2f} tok/s")
     print(f"transformers assisted (K={config.lookahead})   : {assisted_new / assisted_s:8.2f} tok/s  "

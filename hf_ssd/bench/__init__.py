@@ -7,7 +7,8 @@ method order rotates from prompt to prompt, so slow drift of a shared machine hi
 - ``sd``       ``target.generate(ids, assistant_model=draft)`` with ``num_assistant_tokens=K``, the constant
                schedule and confidence threshold 0 (transformers' own assisted generation: the SD baseline)
 - ``ssd``      ``target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(lookahead=K, fanout_budget=B,
-               executor="thread", draft_threads=d, target_threads=t))``
+               executor=E, draft_threads=d, target_threads=t))``, E from ``--executor`` (default "auto", whose
+               worker process is started during the warm-up)
 - ``ssd-sync`` the same with ``executor="sync"`` (draft work inline, no overlap; optional)
 
 Timing (stated in every output): one ``generate()`` call per prompt, method and repeat; a streamer records when
@@ -18,7 +19,8 @@ first token for AR and the whole first round for SD/SSD (prefills plus one specu
 the spread of the per-repeat totals (and of the per-prompt figures). The same streamer gives per-round emitted
 tokens (accepted + bonus) for SD and SSD.
 
-Hardware framing (``--framing``): SSD runs the draft on its own thread(s), so it uses more cores than AR and SD.
+Hardware framing (``--framing``): SSD runs the draft on its own thread(s) or process, so it uses more cores than
+AR and SD.
 - ``extra-cores``: SSD (draft d + target t threads) against AR and SD with t threads — the paper's setting,
   where the draft gets an extra GPU;
 - ``equal-cores``: SSD (d + t) against AR and SD with d + t threads — the same total compute.

@@ -169,14 +169,15 @@ def summarise_method(records: Sequence[RunRecord], kind: str) -> dict[str, Any]:
 
 def decode_window(records: Sequence[RunRecord]) -> dict[str, Any] | None:
     """Per-round breakdown after the first emission, from the forward hooks: one target forward per round (an AR
-    step, or a verification for SD/SSD). Draft time is serial for SD, concurrent (its own thread) for SSD."""
+    step, or a verification for SD/SSD). Draft time is serial for SD, concurrent (its own thread or process) for
+    SSD."""
     timed = [r for r in records if r.timing]
     rounds = sum(max(r.timing["target_forwards"] - 1, 0) for r in timed)
     if not rounds:
         return None
     wall = sum(r.decode_s for r in timed)
     target = sum(r.timing["target_decode_s"] for r in timed)
-    draft = sum(r.timing["draft_decode_s"] for r in timed)
+    draft = sum(_draft_decode_seconds(r) for r in timed)
     return {
         "rounds": rounds,
         "tokens_per_round": sum(r.decode_tokens for r in timed) / rounds,
@@ -187,6 +188,15 @@ def decode_window(records: Sequence[RunRecord]) -> dict[str, Any] | None:
         "other_ms": 1e3 * (wall - target - draft) / rounds,
         "prefill_target_forward_ms": 1e3 * sum(r.timing["target_first_s"] for r in timed) / len(timed),
     }
+
+
+def _draft_decode_seconds(record: RunRecord) -> float:
+    """The draft's forward time after the first target forward: from the hooks, or, when the draft ran in a worker
+    process the hooks cannot see, from the run's own metrics (its model calls after the prefill)."""
+    phases = (record.metrics or {}).get("draft_phase_seconds") or {}
+    if record.timing["draft_forwards"] == 0 and phases:
+        return sum(v for k, v in phases.items() if k.endswith("_forward") and k != "prefill_forward")
+    return record.timing["draft_decode_s"]
 
 
 def ssd_decode_window(records: Sequence[RunRecord], pooled: Mapping[str, Any]) -> dict[str, Any]:

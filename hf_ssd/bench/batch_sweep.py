@@ -128,10 +128,15 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
                                "target_threads": target_threads, "points": []}
 
     def ssd(backup: str) -> SSDConfig:
-        return SSDConfig(lookahead=lookahead, fanout_budget=budget, backup=backup, executor="thread",
+        return SSDConfig(lookahead=lookahead, fanout_budget=budget, backup=backup, executor="auto",
                          draft_threads=draft_threads, target_threads=target_threads)
 
-    # warm-up: one short call of each code path
+    # warm-up: the draft's worker process (so "auto" runs it from the first measured call), then one short call of
+    # each code path
+    from ..runtime.process import shareable, start_draft_worker
+
+    if draft.device.type == "cpu" and shareable(draft) is None:
+        start_draft_worker(draft)
     ids, mask = left_pad(encoded[:2], pad_id)
     with torch.no_grad():
         target.generate(ids, attention_mask=mask, **{**common, "max_new_tokens": 4})

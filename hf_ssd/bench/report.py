@@ -111,8 +111,9 @@ def window_table(results: Mapping[str, Any]) -> str:
                      f"| {_fmt(w['target_forward_ms'], '.1f')} | {_fmt(w['draft_ms'], '.1f')} "
                      f"({_fmt(w['draft_forwards_per_round'], '.1f')}) | {_fmt(other, '.1f')} "
                      f"| {_fmt(wait, '.1f')} |")
-    lines.append("\nSD: round = target forward + draft + other (serial). SSD: the draft runs on its own thread, "
-                 "concurrently; round = target forward + target wait + other. AR: one target forward per token.")
+    lines.append("\nSD: round = target forward + draft + other (serial). SSD: the draft runs concurrently on its own "
+                 "thread or process (its forwards from the hooks or, in a worker process, from its metrics); round = "
+                 "target forward + target wait + other. AR: one target forward per token.")
     return "\n".join(lines)
 
 

@@ -106,10 +106,10 @@ def run_bench(
     # method once, on the first prompt, a few tokens.
     warm_ids = encoded[0][2]
     warm = {}
-    if settings.executor in ("auto", "process") and draft.device.type == "cpu" and any(
-            m.kind == "ssd" for m in methods):
-        from ..runtime import start_draft_worker
+    from ..runtime.process import shareable, start_draft_worker
 
+    if settings.executor in ("auto", "process") and draft.device.type == "cpu" and shareable(draft) is None and any(
+            m.kind == "ssd" for m in methods):
         warm["draft worker"] = start_draft_worker(draft)
     for spec in methods:
         t0 = time.perf_counter()
