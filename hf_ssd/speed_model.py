@@ -163,15 +163,23 @@ def critical_batch_size(
     """Theorem 17: smallest b at which a fast backup beats the just-in-time neural backup (Corollary 16).
 
     Neural backup: E_miss = E_sd, latency T_b (≈ T_SD). Fast backup: E_miss_fast (≈ 1), T_b_fast (≈ 0).
-    Their ratio fast/neural grows with b (a neural miss anywhere stalls the whole batch), so every b >= b*
-    also prefers the fast backup. Returns None if no b <= max_batch does.
+    Their ratio fast/neural is monotone in b (it grows when T_b >= T_b_fast: a neural miss anywhere stalls the
+    whole batch), so every b >= b* also prefers the fast backup and b* is found by bisection (this runs before
+    every lookup under `backup="auto"`). Returns None if no b <= max_batch does.
     """
-    for b in range(1, max_batch + 1):
+    def fast_wins(b: int) -> bool:
         fast = speedup_ssd_batch(p_hit, b, E_hit, E_miss_fast, T_p, T_b_fast)
-        neural = speedup_ssd_batch(p_hit, b, E_hit, E_sd, T_p, T_b)
-        if fast > neural:
-            return b
-    return None
+        return fast > speedup_ssd_batch(p_hit, b, E_hit, E_sd, T_p, T_b)
+
+    if fast_wins(1):
+        return 1
+    if not fast_wins(max_batch):
+        return None
+    lo, hi = 1, max_batch  # the fast backup loses at lo and wins at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fast_wins(mid) else (mid, hi)
+    return hi
 
 
 # --- latencies and statistics ------------------------------------------------------------------------------
