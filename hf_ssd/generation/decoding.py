@@ -57,7 +57,7 @@ def ssd_decoding(
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
     with BatchStreamer(streamer, batch.rows, None if pad is None else int(pad)) as stream, open_executor(
-        kind, assistant_model, request
+        kind, assistant_model, request, config.executor
     ) as drafter:
         with phase("wait_first"):  # the draft's prefill and first speculations, on every core
             batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask")).result())

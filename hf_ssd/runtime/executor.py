@@ -128,10 +128,11 @@ def choose_executor(kind: str, draft_model, target_device: torch.device) -> str:
     """The concrete executor for `kind`.
 
     "auto" (rule measured on 2-core CPUs, docs/design.md "Executors"): with at least two cores or a draft on its own
-    device, the draft runs concurrently with verification; on a CPU draft in a worker process once one is running
-    for this interpreter (the GIL then costs neither side: small pairs round 1.3-1.5x faster than with a thread;
-    large ones equal), else on a thread while the worker starts in the background (start-up, ~4 s, exceeds many
-    whole generations). A CUDA draft runs on a thread. One core and one device: inline ("sync").
+    device, the draft runs concurrently with verification; a CPU draft in a worker process once one is running for
+    this interpreter (the GIL then costs neither side: on small pairs SSD runs 10-25 % faster than with a thread,
+    on large ones the same), else on a thread, the worker starting in the background when that call returns (its
+    start-up, 3-4 s of a core, exceeds many whole generations and would slow the call it overlapped). A CUDA draft
+    runs on a thread. One core and one device: inline ("sync").
     """
     if kind == "stream":
         raise ValueError(
@@ -151,12 +152,21 @@ def choose_executor(kind: str, draft_model, target_device: torch.device) -> str:
     return "thread"
 
 
-def open_executor(kind: str, draft_model, request: DraftRequest) -> DraftExecutor:
-    """A new executor of `kind` ("sync", "thread" or "process") for one generation; use it as a context manager."""
+def open_executor(kind: str, draft_model, request: DraftRequest, requested: str | None = None) -> DraftExecutor:
+    """A new executor of `kind` ("sync", "thread" or "process") for one generation; use it as a context manager.
+
+    `requested` is what the configuration asked for: when "auto" settled on a thread for a CPU draft, a worker
+    process is started in the background once this generation is over, for the calls that follow."""
     if kind == "process":
         from .process import ProcessExecutor
 
         return ProcessExecutor(draft_model, request)
     from .local import LocalExecutor
 
-    return LocalExecutor(kind, draft_model, request)
+    executor = LocalExecutor(kind, draft_model, request)
+    if requested == "auto" and kind == "thread" and torch.device(draft_model.device).type == "cpu":
+        from .process import POOL, shareable
+
+        if shareable(draft_model) is None:
+            executor.after_close = POOL.warm
+    return executor

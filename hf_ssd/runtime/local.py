@@ -35,6 +35,7 @@ class LocalExecutor(DraftExecutor):
         self._busy = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._last: Future | None = None
+        self.after_close = None  # called once the generation is over (see `open_executor`)
         self.drafter = SaguaroCandidateGenerator(
             draft_model, SSDConfig.coerce(request.config), request.do_sample, request.warpers, request.vocab_size,
             request.seed, check=self._check,
@@ -53,6 +54,9 @@ class LocalExecutor(DraftExecutor):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        after, self.after_close = self.after_close, None
+        if after is not None:
+            after()
         last, self._last = self._last, None
         if last is not None and last.done() and not last.cancelled():
             error = last.exception()

@@ -287,9 +287,8 @@ class WorkerPool:
             return key
 
     def ready_for(self, draft: torch.nn.Module) -> bool:
-        """Whether an idle worker holds `draft` (it is handed over now if need be), for `executor="auto"`. When no
-        worker runs yet one is started in the background and the answer is no; so it is when the draft cannot
-        cross or the worker fails to take it."""
+        """Whether an idle worker holds `draft` (it is handed over now if need be), for `executor="auto"`; no when
+        no worker runs, when the draft cannot cross, or when the worker fails to take it."""
         if shareable(draft) is not None:
             return False
         key = self.key_of(draft)
@@ -299,9 +298,6 @@ class WorkerPool:
             alive = [w for w in self._idle if w.alive()]
             worker = next((w for w in alive if key in w.drafts), alive[0] if alive else None)
             if worker is None:
-                if self._warming is None and not self._busy:
-                    self._warming = threading.Thread(target=self._warm, name="hf-ssd-worker-start", daemon=True)
-                    self._warming.start()
                 return False
             self._idle.remove(worker)
             self._busy.add(worker)
@@ -318,6 +314,13 @@ class WorkerPool:
             return False
         self.release(worker, healthy=True)
         return True
+
+    def warm(self) -> None:
+        """Start a worker in the background unless one runs, is starting, or cannot start here."""
+        with self._lock:
+            if self._failure is None and self._warming is None and not self._idle and not self._busy:
+                self._warming = threading.Thread(target=self._warm, name="hf-ssd-worker-start", daemon=True)
+                self._warming.start()
 
     def _warm(self) -> None:
         try:
