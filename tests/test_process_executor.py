@@ -308,30 +308,48 @@ SCRIPT = textwrap.dedent("""
     from hf_ssd.runtime.process import worker_pids
     target, draft = tiny_pair("llama", seed=3)
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
-    target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(executor="process"), max_new_tokens=8,
+    executor = "auto" if sys.argv[1] == "auto" else "process"
+    target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(executor=executor), max_new_tokens=8,
                     do_sample=False)
-    print(*worker_pids(), flush=True)
+    print(target.ssd_metrics.executor, *worker_pids(), flush=True)
     if sys.argv[1] == "hang":
         time.sleep(600)
 """)
 
 
-@pytest.mark.parametrize("how", ["exit", "kill"])
+def marked_processes(mark: str) -> list[int]:
+    """Running processes whose environment carries `mark` (a script's children inherit it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    if mark.encode() in fh.read() and pid_alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize("how", ["exit", "kill", "auto"])
 def test_no_orphan_after_the_interpreter_ends(how, tmp_path):
     """Unguarded script (no `if __name__ == "__main__"`), no explicit close: at a normal exit the worker is closed;
-    when the parent is killed with SIGKILL the worker notices and exits by itself."""
+    when the parent is killed with SIGKILL the worker notices and exits by itself; a worker still starting (auto
+    starts one as its first call returns) is abandoned at exit, cleanly (exit status 0)."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT.format(tests=os.path.join(ROOT, "tests"), root=ROOT))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, str(script), "hang" if how == "kill" else "exit"],
+    mark = f"hf-ssd-test-{os.getpid()}-{time.time_ns()}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_SSD_TEST_MARK": mark}
+    proc = subprocess.Popen([sys.executable, str(script), {"kill": "hang"}.get(how, how)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     assert line.strip(), proc.stderr.read()
-    [pid] = [int(x) for x in line.split()]
+    executor, *pids = line.split()
+    assert executor == ("thread" if how == "auto" else "process") and len(pids) == (0 if how == "auto" else 1)
     if how == "kill":
         proc.kill()
-    proc.wait(timeout=120)
+    assert proc.wait(timeout=120) == (-signal.SIGKILL if how == "kill" else 0), proc.stderr.read()
     deadline = time.time() + 10
-    while pid_alive(pid) and time.time() < deadline:
+    while marked_processes(mark) and time.time() < deadline:
         time.sleep(0.05)
-    assert not pid_alive(pid), f"worker {pid} outlived its parent ({how})"
+    assert marked_processes(mark) == [], f"a worker outlived its parent ({how})"

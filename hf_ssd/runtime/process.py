@@ -123,7 +123,9 @@ def shareable(draft: torch.nn.Module) -> str | None:
 class Worker:
     """The parent's handle on one worker process."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, abandon=None):
+        """Spawn the process and wait until it is ready; `abandon()` (polled while waiting) returning True kills it
+        and raises (the interpreter is exiting)."""
         self.control = wire.shared_control()
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
@@ -136,12 +138,18 @@ class Worker:
         self.conn = parent
         self.drafts: OrderedDict[int, tuple] = OrderedDict()  # key -> fingerprint, of the drafts it holds
         self.buffers: wire.RoundBuffers | None = None
+        self.broken = False
+        deadline = start + START_TIMEOUT
+        while abandon is not None and not multiprocessing.connection.wait([self.conn, self.process.sentinel], 0.05):
+            if abandon() or time.perf_counter() > deadline:
+                self.process.kill()
+                self.process.join()
+                raise DraftWorkerError("hf_ssd draft worker start-up abandoned.")
         status, pid, _, _ = self._read_header(START_TIMEOUT, "start")
         if status != wire.READY:
             raise DraftWorkerError(f"hf_ssd draft worker sent {status} instead of READY on start-up.")
         self.pid = pid
         self.start_seconds = time.perf_counter() - start
-        self.broken = False
 
     # --- messages ----------------------------------------------------------------------------------------------
     def send(self, op: int, generation: int = 0, a: int = 0, b: int = 0, c: int = 0, payload=None) -> None:
@@ -277,6 +285,7 @@ class WorkerPool:
         self._counter = itertools.count(1)
         self._collected: set[int] = set()  # keys of drafts garbage-collected here; workers drop them when next used
         self._unshareable: dict[int, str] = {}  # keys of drafts that failed to pickle: auto keeps them on threads
+        self._shutting_down = False
 
     def key_of(self, draft: torch.nn.Module) -> int:
         with self._lock:
@@ -324,15 +333,21 @@ class WorkerPool:
 
     def _warm(self) -> None:
         try:
-            worker = Worker(threads=1)
+            worker = Worker(threads=1, abandon=lambda: self._shutting_down)
         except Exception as err:  # e.g. no shared memory here: stay on threads
-            logger.warning("hf_ssd: could not start a draft worker process (%s); drafts run on threads.", err)
             with self._lock:
-                self._failure, self._warming = str(err), None
+                self._warming = None
+                if self._shutting_down:
+                    return
+                self._failure = str(err)
+            logger.warning("hf_ssd: could not start a draft worker process (%s); drafts run on threads.", err)
             return
         with self._lock:
-            self._idle.append(worker)
             self._warming = None
+            if not self._shutting_down:
+                self._idle.append(worker)
+                return
+        worker.close()  # the interpreter is exiting
 
     def acquire(self, draft: torch.nn.Module, threads: int) -> tuple[Worker, float, float]:
         """A worker holding `draft`: (worker, start-up seconds paid now, draft hand-over seconds)."""
@@ -387,10 +402,10 @@ class WorkerPool:
         with self._lock:
             return [*self._idle, *self._busy]
 
-    def close_all(self) -> None:
-        """Stop every worker (at interpreter exit, or `close_workers()`)."""
+    def close_all(self, wait_for_start: bool = True) -> None:
+        """Stop every worker (`close_workers()`; a worker still starting is waited for and stopped too)."""
         warming = self._warming
-        if warming is not None:
+        if warming is not None and wait_for_start:
             warming.join(START_TIMEOUT)
         with self._lock:
             workers, self._idle = [*self._idle, *self._busy], []
@@ -398,9 +413,18 @@ class WorkerPool:
         for worker in workers:
             worker.close()
 
+    def shutdown(self) -> None:
+        """At interpreter exit: a worker still starting is abandoned (killed within ~50 ms rather than waited for),
+        the others are closed."""
+        self._shutting_down = True
+        warming = self._warming
+        if warming is not None:
+            warming.join(10.0)
+        self.close_all(wait_for_start=False)
+
 
 POOL = WorkerPool()
-atexit.register(POOL.close_all)
+atexit.register(POOL.shutdown)
 
 
 def start_draft_worker(draft: torch.nn.Module) -> float:
