@@ -144,7 +144,7 @@ def demo(args) -> int:
     worker_s = None
     if config.executor in ("auto", "process") and draft.device.type == "cpu":
         from .runtime import start_draft_worker
-        from .runtime.process import shareable
+        from .runtime.pool import shareable
 
         if shareable(draft) is None:  # the draft's worker process, started once (auto then uses it)
             worker_s = start_draft_worker(draft)

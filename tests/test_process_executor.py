@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_ssd import SSDConfig
 from hf_ssd.runtime import DraftWorkerError, close_workers
-from hf_ssd.runtime.process import POOL, worker_pids
+from hf_ssd.runtime.pool import POOL, worker_pids
 
 VOCAB = 96
 NEW = 20
@@ -305,7 +305,7 @@ SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{tests!r}, {root!r}]
     from conftest import tiny_pair
     from hf_ssd import SSDConfig
-    from hf_ssd.runtime.process import worker_pids
+    from hf_ssd.runtime.pool import worker_pids
     target, draft = tiny_pair("llama", seed=3)
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
     executor = "auto" if sys.argv[1] == "auto" else "process"

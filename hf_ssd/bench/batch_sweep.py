@@ -133,7 +133,7 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
 
     # warm-up: the draft's worker process (so "auto" runs it from the first measured call), then one short call of
     # each code path
-    from ..runtime.process import shareable, start_draft_worker
+    from ..runtime.pool import shareable, start_draft_worker
 
     if draft.device.type == "cpu" and shareable(draft) is None:
         start_draft_worker(draft)

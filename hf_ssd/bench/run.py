@@ -106,7 +106,7 @@ def run_bench(
     # method once, on the first prompt, a few tokens.
     warm_ids = encoded[0][2]
     warm = {}
-    from ..runtime.process import shareable, start_draft_worker
+    from ..runtime.pool import shareable, start_draft_worker
 
     if settings.executor in ("auto", "process") and draft.device.type == "cpu" and shareable(draft) is None and any(
             m.kind == "ssd" for m in methods):

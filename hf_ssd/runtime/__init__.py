@@ -29,14 +29,14 @@ __all__ = [
 
 
 def start_draft_worker(draft) -> float:
-    """Start a draft worker process now, holding `draft` (see `process.start_draft_worker`); seconds taken."""
-    from .process import start_draft_worker as start
+    """Start a draft worker process now, holding `draft` (see `pool.start_draft_worker`); seconds taken."""
+    from .pool import start_draft_worker as start
 
     return start(draft)
 
 
 def close_workers() -> None:
     """Stop this interpreter's draft worker processes (`executor="process"`); they restart on demand."""
-    from .process import close_workers as close
+    from .pool import close_workers as close
 
     close()

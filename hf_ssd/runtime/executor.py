@@ -145,7 +145,7 @@ def choose_executor(kind: str, draft_model, target_device: torch.device) -> str:
     if available_cores() < 2 and draft_device == torch.device(target_device):
         return "sync"
     if draft_device.type == "cpu":
-        from .process import POOL
+        from .pool import POOL
 
         if POOL.ready_for(draft_model):
             return "process"
@@ -165,7 +165,7 @@ def open_executor(kind: str, draft_model, request: DraftRequest, requested: str 
 
     executor = LocalExecutor(kind, draft_model, request)
     if requested == "auto" and kind == "thread" and torch.device(draft_model.device).type == "cpu":
-        from .process import POOL, shareable
+        from .pool import POOL, shareable
 
         if shareable(draft_model) is None:
             executor.after_close = POOL.warm
