@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..config import SSDConfig
+from ..generation.candidate_generator import SaguaroCandidateGenerator
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
 from .threads import torch_threads
 
@@ -28,8 +29,6 @@ class LocalExecutor(DraftExecutor):
         if kind not in ("sync", "thread"):
             raise ValueError(f"LocalExecutor runs 'sync' or 'thread', not {kind!r}")
         super().__init__(request, draft_model.device)
-        from ..generation.candidate_generator import SaguaroCandidateGenerator
-
         self.kind = kind
         self._stop = threading.Event()
         self._busy = 0.0

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from ..cache.speculation_cache import Speculation
+from ..generation.candidate_generator import DraftTimings, Resolution
 from . import wire
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
 from .pool import CLOSE_TIMEOUT, POOL, Worker, raise_remote
@@ -71,10 +73,7 @@ class ProcessExecutor(DraftExecutor):
             if op == wire.FINISH:
                 self._report = payload
 
-    def _speculations(self, slot: int, count: int):
-        from ..cache.speculation_cache import Speculation
-        from ..generation.candidate_generator import Resolution
-
+    def _speculations(self, slot: int, count: int) -> list[Resolution]:
         buffers = self.buffers
         meta = buffers.meta[slot, :count].tolist()
         out = []
@@ -122,9 +121,7 @@ class ProcessExecutor(DraftExecutor):
         seq = self._send(wire.RESOLVE, verified, wire.BACKUPS.index(backup), count)
         return _Pending(self, seq, lambda: self._speculations(slot, count))
 
-    def timings(self):
-        from ..generation.candidate_generator import DraftTimings
-
+    def timings(self) -> DraftTimings:
         calls, seconds, backup_calls, backup_seconds, _ = self.buffers.stats.tolist()
         return DraftTimings(int(calls), seconds, int(backup_calls), backup_seconds)
 

@@ -71,8 +71,10 @@ class _Server:
             return None
         if op == wire.BEGIN:
             request = self.conn.recv()  # the payload is read even if this generation was already cancelled
+            if request[-1] is not None:  # new buffers (else the parent reuses the previous generation's)
+                self.buffers = request[-1]
             self._check(generation)
-            return self.begin(generation, *request)
+            return self.begin(generation, *request[:-1])
         session = self.session
         if session is None or session.generation != generation:
             raise RuntimeError(f"hf_ssd draft worker: no generation {generation} is running here (op {op}).")
@@ -96,16 +98,13 @@ class _Server:
         return None
 
     # --- the round protocol ------------------------------------------------------------------------------------
-    def begin(self, generation, draft_key, request, input_ids, attention_mask, buffers):
+    def begin(self, generation, draft_key, request, input_ids, attention_mask):
         from ..config import SSDConfig
         from ..generation.candidate_generator import SaguaroCandidateGenerator
 
         draft = self.drafts[draft_key]
         self.drafts.move_to_end(draft_key)
-        control = self.control
-        if buffers is None:  # the parent reuses the previous generation's
-            buffers = self.buffers
-        self.buffers = buffers
+        control, buffers = self.control, self.buffers
 
         def check() -> None:
             if int(control[wire.CANCELLED_GENERATION]) == generation:
