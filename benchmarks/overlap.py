@@ -1,7 +1,7 @@
 """Do two Python threads running torch work really overlap on this machine?
 
 SSD's `executor="thread"` runs the draft on a background Python thread (one intra-op thread, set with
-`torch.set_num_threads` inside that thread, as `hf_ssd/generation/runtime.py` does) while the main thread runs
+`torch.set_num_threads` inside that thread, as `hf_ssd/runtime/local.py` does) while the main thread runs
 the target's verification. This script measures how much of that concurrency is real:
 
 - For each workload pair (A = draft-sized, B = target-sized) it calibrates iteration counts so A and B each take
