@@ -175,6 +175,7 @@ class Method:
     budget: int = 0
     executor: str = ""
     threads: str = ""
+    schedule: str = "adaptive"
     e2e_s: list[float] = field(default_factory=list)
     first_s: list[float] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
@@ -200,7 +201,7 @@ class Runner:
             threads = dict(draft_threads=self.draft_threads, target_threads=self.target_threads)
         return SSDConfig(
             lookahead=method.lookahead, fanout_budget=method.budget, fanout=self.args.fanout,
-            backup=self.args.backup, executor=method.executor, **threads,
+            backup=self.args.backup, executor=method.executor, lookahead_schedule=method.schedule, **threads,
         )
 
     def call(self, method: Method, max_new_tokens: int):
@@ -247,7 +248,10 @@ def build_methods(args, runner: Runner) -> list[Method]:
                     f"d{runner.draft_threads}+t{runner.target_threads}" if executor != "sync"
                     else f"{args.threads} shared"
                 )
-                methods.append(Method(f"ssd-{executor} K={k} B={b}", "ssd", k, b, executor, threads))
+                for schedule in args.schedules:
+                    suffix = "" if schedule == "adaptive" else f" {schedule}"
+                    methods.append(Method(f"ssd-{executor} K={k} B={b}{suffix}", "ssd", k, b, executor, threads,
+                                          schedule=schedule))
     return methods
 
 
@@ -350,7 +354,7 @@ def print_critical_paths(args, runner: Runner, methods: list[Method]) -> dict:
             if not ssd:
                 continue
             print(f"\n### SSD critical path, K={k} B={b} (ms per decode round, pooled over repeats)\n")
-            print(critical_path_table({m.executor: critical_path(m.metrics) for m in ssd}))
+            print(critical_path_table({f"{m.executor} {m.schedule}": critical_path(m.metrics) for m in ssd}))
             torch.set_num_threads(runner.target_threads)
             latencies = measure_latencies(runner.target, runner.draft, runner.input_ids, k, b,
                                           threads=runner.target_threads, repeats=5)
@@ -396,6 +400,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--lookahead", type=int, nargs="+", default=[3], help="K (one or more)")
     parser.add_argument("--budget", type=int, nargs="+", default=[8], help="SSD fan-out budget B (one or more)")
+    parser.add_argument("--schedules", nargs="+", default=["adaptive"], choices=["adaptive", "constant"],
+                        help="SSD lookahead schedules: adaptive (K chosen per round) and/or constant (always K)")
     parser.add_argument("--fanout", default="geometric", choices=["geometric", "uniform"])
     parser.add_argument("--backup", default="auto", choices=["auto", "draft", "ngram", "random"])
     parser.add_argument("--repeats", type=int, default=3)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FANOUT_KINDS = ("geometric", "uniform")
+LOOKAHEAD_SCHEDULES = ("adaptive", "constant")
 BACKUPS = ("auto", "draft", "ngram", "random")
 EXECUTORS = ("auto", "thread", "process", "sync", "stream")
 
@@ -29,7 +30,10 @@ class SSDConfig:
     Pass it to `generate(..., assistant_model=draft, ssd_config=SSDConfig(...))` or as a plain dict.
 
     Args:
-        lookahead: K, the number of draft tokens per speculation (>= 1).
+        lookahead: K, the number of draft tokens per speculation (>= 1): the most a round verifies.
+        lookahead_schedule: how many of them each round verifies: `"adaptive"` (0..K, chosen every round for the
+            most expected tokens per second from the run's own acceptance and measured costs; 0 is a plain target
+            step) or `"constant"` (always K; like transformers' `num_assistant_tokens_schedule`).
         fanout: which verification outcomes to prepare: `"geometric"` (Theorem 12, adapted online),
             `"uniform"`, or an explicit list of K+1 non-negative ints (branches per accepted length 0..K).
         fanout_budget: B, the total number of branches prepared per round (>= 1).
@@ -50,6 +54,7 @@ class SSDConfig:
     """
 
     lookahead: int = 3
+    lookahead_schedule: str = "adaptive"
     fanout: str | list[int] = "geometric"
     fanout_budget: int = 8
     saguaro_c: float = 1.0
@@ -78,6 +83,8 @@ class SSDConfig:
         """Raise `ValueError` naming the first invalid field, its value and the allowed range."""
         _check_int("lookahead", self.lookahead, 1)
         _check_int("fanout_budget", self.fanout_budget, 1)
+        if self.lookahead_schedule not in LOOKAHEAD_SCHEDULES:
+            _fail("lookahead_schedule", self.lookahead_schedule, f"expected one of {LOOKAHEAD_SCHEDULES}")
         if isinstance(self.fanout, (list, tuple)):
             if len(self.fanout) != self.lookahead + 1 or any(
                 isinstance(f, bool) or not isinstance(f, int) or f < 0 for f in self.fanout

@@ -66,6 +66,12 @@ class SSDMetrics:
     task minus forwards is the draft's own Python: masks, fork, cache bookkeeping, compaction). `worker_start_seconds`
     is the process executor's start-up paid by this call (0 when its worker was already running) and
     `draft_load_seconds` the time to hand it the draft (0 when it already held it).
+
+    `lookahead_per_round` is how many draft tokens each verification verified (`lookahead_schedule="adaptive"`
+    chooses it every round; 0 is a plain target step); `lookahead_decisions` says why, round by round: the
+    acceptance estimates per draft position, the predicted tokens per second of every K considered, the target's
+    verification time per K and the draft's round time they came from, and whether K was the best, an exploration
+    of an unmeasured K, or fixed.
     """
 
     rounds: int = 0
@@ -109,6 +115,8 @@ class SSDMetrics:
     draft_phase_seconds: dict[str, float] = field(default_factory=dict)
     worker_start_seconds: float = 0.0
     draft_load_seconds: float = 0.0
+    lookahead_per_round: list[int] = field(default_factory=list)
+    lookahead_decisions: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

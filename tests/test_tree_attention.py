@@ -154,15 +154,16 @@ def test_keep_moves_only_the_tail_and_compacts_holes():
     torch.testing.assert_close(holes.kv.layers[0].keys[0, :, 6], hole_keys[0, :, 9])
 
 
-def _check_branches(drafter, model, contexts, speculations):
+def _check_branches(drafter, model, contexts, speculations, verified=None):
     """Every prepared branch of every row is the draft's own greedy continuation of its outcome."""
     k = drafter.lookahead
+    verified = k if verified is None else verified
     spec_cache = drafter.spec_cache
     assert spec_cache is not None and len(spec_cache) == len(contexts) * drafter.config.branches
     for row, fork, bonus in spec_cache.keys():
         drafted = speculations[row].tokens.tolist()
-        if fork < k:
-            assert bonus != drafted[fork]  # the drafted token itself is never a bonus candidate
+        if fork < verified:
+            assert bonus != drafted[fork]  # a verified drafted token is never a bonus candidate
         seq = contexts[row] + drafted[:fork] + [bonus]
         expected = []
         for _ in range(k):
@@ -202,7 +203,7 @@ def test_prepared_branches_equal_sequential_greedy_drafts(arch):
             for token in spec.tokens.tolist():
                 assert token == int(_reference_logits(model, seq).argmax())
                 seq = seq + [token]
-        drafter.prepare(first)
+        drafter.prepare(speculations=first)
         _check_branches(drafter, model, contexts, first)
         hit_key = next(key for key in drafter.spec_cache.keys() if key[0] == 0)
         outcomes = [(hit_key[1], hit_key[2]), (k, 95)]
@@ -216,7 +217,7 @@ def test_prepared_branches_equal_sequential_greedy_drafts(arch):
             contexts[r] = contexts[r] + first[r].tokens[:accepted].tolist() + [bonus]
             assert drafter.contexts[r] == contexts[r]
         second = [res.speculation for res in resolutions]
-        drafter.prepare(second)
+        drafter.prepare(speculations=second)
         _check_branches(drafter, model, contexts, second)
 
 
@@ -227,7 +228,7 @@ def test_resolve_commits_outcome_and_returns_hit_or_backup():
     prompt = torch.arange(1, 9)[None]
     with torch.no_grad():
         first = drafter.begin(prompt, None)
-        drafter.prepare(first)
+        drafter.prepare(speculations=first)
         key = drafter.spec_cache.keys()[0]
         [hit] = drafter.resolve([(0, key[2])], verified=2)
         assert hit.hit and hit.speculation.source == "cache"
@@ -236,7 +237,7 @@ def test_resolve_commits_outcome_and_returns_hit_or_backup():
         # committed tokens except the newest, then the hit branch's tree KV: [bonus, s'_1]
         assert len(drafter.cache) == prompt.shape[1] + 2 and bool(drafter.cache.valid.all())
         assert drafter.cache.positions[0, -2:].tolist() == [8, 9]
-        drafter.prepare([hit.speculation])
+        drafter.prepare(speculations=[hit.speculation])
         [miss] = drafter.resolve([(2, 95 if key[2] != 95 else 94)], verified=2)
         assert not miss.hit and miss.speculation.source == "random"
         assert dict(drafter.estimator.hits_by_f) == {3: [1, 1]}  # nothing was prepared at k=2: no lookup counted
@@ -252,14 +253,14 @@ def test_resolve_drops_finished_rows_and_bounds_the_cache():
     with torch.no_grad():
         specs = drafter.begin(ids, mask)
         for _ in range(4):
-            drafter.prepare(specs)
+            drafter.prepare(speculations=specs)
             outcomes = [(0, 7)] * drafter.rows
             specs = [r.speculation for r in drafter.resolve(outcomes, verified=2)]
         # every row committed 4 tokens: it holds (prompt - 1) + 4 committed slots plus K pre-glued ones; the
         # cache is compacted every round, so at most K slots of holes (dummy queries of hit rows) remain
         assert drafter.cache.valid.sum(dim=1).tolist() == [8 + 4 - 1 + 2, 3 + 4 - 1 + 2, 5 + 4 - 1 + 2]
         assert len(drafter.cache) <= 8 + 4 - 1 + 2 + 2
-        drafter.prepare(specs)
+        drafter.prepare(speculations=specs)
         resolutions = drafter.resolve([(0, 7)] * 3, verified=2, keep_rows=[2])
     assert len(resolutions) == 1 and drafter.rows == 1 and drafter.cache.rows == 1
     assert drafter.contexts[0] == list(range(30, 35)) + [7] * 5
@@ -274,12 +275,12 @@ def test_tree_stops_once_the_announced_outcome_is_not_prepared():
     with torch.no_grad():
         first = drafter.begin(torch.arange(1, 8)[None], None)
         drafter.announce([(3, 5)])
-        drafter.prepare(first)
+        drafter.prepare(speculations=first)
         assert drafter.spec_cache is None and drafter.skipped_tree_steps == 3
         [miss] = drafter.resolve([(3, 5)], verified=3)
         assert not miss.hit and dict(drafter.estimator.hits_by_f) == {}  # F_3 = 0: nothing to look up
         drafter.announce([(0, int(miss.speculation.tokens[0]))])  # a rejected draft token is never prepared
-        drafter.prepare([miss.speculation])
+        drafter.prepare(speculations=[miss.speculation])
         assert drafter.spec_cache is None and drafter.skipped_tree_steps == 6
         [again] = drafter.resolve([(0, int(miss.speculation.tokens[0]) + 1)], verified=3)
         assert not again.hit and dict(drafter.estimator.hits_by_f) == {2: [0, 1]}  # a miss among F_0 = 2 branches
@@ -292,10 +293,10 @@ def test_tree_keeps_going_while_any_row_can_hit():
     ids, mask = _padded([list(range(1, 8)), list(range(40, 45))])
     with torch.no_grad():
         first = drafter.begin(ids, mask)
-        drafter.prepare(first)
+        drafter.prepare(speculations=first)
         key = next(key for key in drafter.spec_cache.keys() if key[0] == 1)
         drafter.announce([(3, 5), key[1:]])  # row 0 cannot hit, row 1 can
-        drafter.prepare(first)
+        drafter.prepare(speculations=first)
     assert drafter.spec_cache is not None and drafter.skipped_tree_steps == 0
 
 
@@ -314,3 +315,23 @@ def test_candidate_generator_interface_in_transformers_own_loop(monkeypatch, sel
     out = target.generate(input_ids, assistant_model=draft, max_new_tokens=30, do_sample=False)  # stock loop
     assert torch.equal(out, expected)
     assert drafter.speculations and drafter._round > 0
+
+
+def test_a_partly_verified_speculation_forks_up_to_what_is_verified():
+    """Verifying only the first n of K tokens: outcomes are k = 0..n, and the last fork (all n accepted) keeps the
+    drafted s_{n+1} among its bonus candidates — it was not verified, so the target may well pick it (for a draft
+    that agrees, it is the likeliest bonus)."""
+    model = tiny_model("llama", layers=1, seed=6)
+    config = SSDConfig(lookahead=3, fanout_budget=4)
+    for verified in (0, 1, 2):
+        drafter = SaguaroCandidateGenerator(model, config, vocab_size=96)
+        with torch.no_grad():
+            [first] = drafter.begin(torch.arange(1, 8)[None], None)
+            drafter.prepare(verified)
+        keys = drafter.spec_cache.keys()
+        assert {fork for _, fork, _ in keys} <= set(range(verified + 1))
+        assert len(keys) == 4 and (0, verified, int(first.tokens[verified])) in keys  # s_{n+1}: a candidate
+        for _, fork, bonus in keys:
+            if fork < verified:
+                assert bonus != int(first.tokens[fork])  # a verified, rejected token is never the bonus
+        _check_branches(drafter, model, [list(range(1, 8))], [first], verified)

@@ -73,7 +73,7 @@ def measure_latencies(target, draft, input_ids, lookahead: int, budget: int, thr
                 drafter.begin(input_ids.to(draft.device), None)
 
                 def draft_round():  # a steady-state round: prepare, then commit the first prepared outcome (a hit)
-                    drafter.prepare()
+                    drafter.prepare(lookahead)
                     row, accepted, bonus = drafter.spec_cache.keys()[0]
                     drafter.resolve([(accepted, bonus)], lookahead)
 

@@ -298,16 +298,20 @@ class SaguaroCandidateGenerator(CandidateGenerator):
                 top[r, :k] = spec.row_top.to(self.device)
         return top
 
-    def prepare(self, speculations: list[Speculation] | None = None) -> None:
-        """Glue, fork and tree-decode every branch of every row for the outcomes of verifying `speculations`
-        (default: the ones `begin` / `resolve` handed out last, which is what the target verifies).
+    def prepare(self, verified: int | None = None, speculations: list[Speculation] | None = None) -> None:
+        """Glue, fork and tree-decode every branch of every row for the outcomes of verifying the first `verified`
+        tokens (default: all K) of `speculations` (default: the ones `begin` / `resolve` handed out last, which is
+        what the target verifies).
 
-        The tree's KV stays in the cache until `resolve`, which keeps each row's hit branch.
+        Outcomes are k = 0..verified accepted tokens plus a bonus: forks j < verified skip the drafted s_{j+1} (it
+        would have been accepted), the last fork does not (s_{verified+1} was not verified). The tree's KV stays in
+        the cache until `resolve`, which keeps each row's hit branch.
         """
         with self.clock("prepare"):
-            self._prepare(self.speculations if speculations is None else list(speculations))
+            self._prepare(self.speculations if speculations is None else list(speculations),
+                          self.lookahead if verified is None else verified)
 
-    def _prepare(self, speculations: list[Speculation]) -> None:
+    def _prepare(self, speculations: list[Speculation], verified: int) -> None:
         started = time.perf_counter()
         k = self.lookahead
         self.speculations = speculations
@@ -316,10 +320,10 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.check()
         row_top = self._glue(speculations)
         self.main_len = len(self.cache)
-        self.fanout_in_use = [self.schedules[lookup_kind(s.source)] for s in speculations]
+        self.fanout_in_use = [self.estimator.schedule(lookup_kind(s.source), verified) for s in speculations]
         fanout = torch.tensor(self.fanout_in_use, device=self.device)
         drafted = torch.stack([s.tokens for s in speculations]).to(self.device)
-        forks, current, usable = fork_candidates(row_top, drafted, fanout)
+        forks, current, usable = fork_candidates(row_top[:, : verified + 1], drafted[:, :verified], fanout)
         rows, branches = current.shape
         row_ids = torch.arange(rows, device=self.device)[:, None].expand(rows, branches)
         prepared = {
@@ -426,7 +430,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         else:
             outcome = [(self._last_accepted, int(input_ids[0, -1]))]
             spec = self.resolve(outcome, self.lookahead)[0].speculation
-        self.prepare()
+        self.prepare(self.lookahead)
         candidate_ids = torch.cat([input_ids, spec.tokens[None].to(input_ids.device)], dim=-1)
         logits = None if spec.probs is None else spec.probs.log()[None]
         return candidate_ids, logits

@@ -23,6 +23,7 @@ from ..runtime import DraftRequest, choose_executor, open_executor, split_thread
 from .backup import AutoBackup
 from .candidate_generator import sampling_warpers
 from .checks import check_processors, check_supported, model_vocab_size
+from .lookahead import LookaheadPolicy
 from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, steps
 from .rows import Batch
 from .target_rows import TargetBatch, kv_bytes
@@ -53,6 +54,8 @@ def ssd_decoding(
     batch = Batch(input_ids, stopping_criteria, generation_config)
     target = TargetBatch(model, input_ids, model_kwargs, logits_processor)
     recorder, backups = MetricsRecorder(config.lookahead), AutoBackup(config.backup)
+    policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,
+                             concurrent=kind != "sync", device_type=input_ids.device.type)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -62,13 +65,15 @@ def ssd_decoding(
         with phase("wait_first"):  # the draft's prefill and first speculations, on every core
             batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask")).result())
         while True:
+            verified = policy.choose(batch.verifiable(config.lookahead, generation_config.max_length,
+                                                      target.max_positions))
             with phase("wait_prepare"):  # a submission (inline with executor="sync": the whole task)
-                preparing = drafter.prepare()  # concurrent with the verification below
+                preparing = drafter.prepare(verified)  # concurrent with the verification below
             with recorder.verification():
-                verified = batch.verifiable(config.lookahead, generation_config.max_length, target.max_positions)
                 verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores)
             with phase("hand_off"):
                 drafter.announce(verdict.accepted, verdict.bonus)
+            policy.observe_verification(batch.active, verdict)
             with phase("emit"):
                 emitted = batch.emit(verdict, recorder)
                 stream.flush()
@@ -77,6 +82,7 @@ def ssd_decoding(
                 target.realign(verdict, emitted, keep)
             recorder.record_memory(kv_bytes(target.cache))
             if not batch.active:
+                policy.observe_round(target.forward_seconds, drafter.timings(), 0, 0)
                 break
             with phase("wait_prepare"):
                 preparing.result()
@@ -85,9 +91,11 @@ def ssd_decoding(
                 resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup).result()
             for i, resolution in zip(keep, resolutions):
                 recorder.record_lookup(resolution.hit, verdict.accepted[i])
+            policy.observe_round(target.forward_seconds, drafter.timings(), sum(r.hit for r in resolutions),
+                                 len(resolutions))
             batch.hand([resolution.speculation for resolution in resolutions])
         report = drafter.finish()  # stops a `prepare` still running for rows that have all finished
-    metrics = _metrics(recorder, report, drafter, config, batch, backups, time.perf_counter() - start)
+    metrics = _metrics(recorder, report, drafter, config, batch, backups, time.perf_counter() - start, policy)
     model.ssd_metrics = metrics
     return _outputs(input_ids, batch, target, generation_config, metrics, pad)
 
@@ -115,11 +123,12 @@ def _draft_request(config: SSDConfig, do_sample: bool, logits_processor, vocab_s
                         draft_threads, target_threads)
 
 
-def _metrics(recorder, report, drafter, config, batch, backups, wall_seconds):
+def _metrics(recorder, report, drafter, config, batch, backups, wall_seconds, policy):
     recorder.generated = sum(len(row.generated) for row in batch.rows)
     local_threads = drafter.kind != "sync"
     return recorder.finish(
         **dataclasses.asdict(report),
+        **policy.metrics(),
         draft_seconds=drafter.busy_seconds,
         wall_seconds=wall_seconds,
         branches=config.branches,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import torch
 from transformers import DynamicCache
@@ -43,6 +44,7 @@ class TargetBatch:
         self.kwargs = model_kwargs
         self.logits_processor = logits_processor
         self.first = True
+        self.forward_seconds = 0.0  # the last verification forward
         self._outputs = self._extended = None
         text_config = model.config.get_text_config()
         positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
@@ -59,8 +61,10 @@ class TargetBatch:
         `generator` is None under greedy decoding; `cores` is entered around the first forward (the prefill)."""
         device = self.ids.device
         tokens = torch.stack([row.speculation.tokens[:verified] for row in batch.active]).to(device)
+        start = time.perf_counter()
         with phases("target_forward"), (cores() if self.first else contextlib.nullcontext()):
             self._outputs, self._extended, raw = self._forward(tokens)
+        self.forward_seconds = time.perf_counter() - start
         if self.first and not getattr(output_cache(self._outputs), "is_croppable", True):
             raise ValueError("SSD needs a target cache that can be cropped after verification.")
         with phases("processors"):

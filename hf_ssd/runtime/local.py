@@ -97,9 +97,9 @@ class LocalExecutor(DraftExecutor):
 
         return self._submit(on_all_cores, input_ids, attention_mask)
 
-    def prepare(self) -> Future:
+    def prepare(self, verified: int) -> Future:
         self.drafter.announce(None)
-        return self._submit(self.drafter.prepare)
+        return self._submit(self.drafter.prepare, verified)
 
     def announce(self, accepted, bonus) -> None:
         self.drafter.announce(list(zip(accepted, bonus)))

@@ -101,9 +101,9 @@ class ProcessExecutor(DraftExecutor):
         seq = self._send(wire.BEGIN, payload=payload)
         return _Pending(self, seq, lambda: [r.speculation for r in self._speculations(0, rows)])
 
-    def prepare(self):
+    def prepare(self, verified: int):
         self.round += 1
-        return _Pending(self, self._send(wire.PREPARE, self.round), lambda: None)
+        return _Pending(self, self._send(wire.PREPARE, self.round, verified), lambda: None)
 
     def announce(self, accepted, bonus) -> None:
         n = len(accepted)

@@ -86,7 +86,7 @@ class _Server:
             with torch.no_grad():
                 if op == wire.PREPARE:
                     session.round = a
-                    session.drafter.prepare()
+                    session.drafter.prepare(verified=b)
                 elif op == wire.RESOLVE:
                     self.resolve(session, verified=a, backup=wire.BACKUPS[b], kept=c)
                 else:

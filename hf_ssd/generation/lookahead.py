@@ -1,0 +1,209 @@
+"""How many draft tokens to verify each round: K = 0..K_max, chosen for the most expected tokens per second.
+
+Every round the target verifies the first K of the K_max tokens the draft prepared (K = 0 is a plain target step:
+one position, its token the bonus). The choice maximises E(K) / R(K), the speed model's tokens per round over its
+round time, from what this run has measured:
+
+* E(K) = 1 + Σ_{i<=K} Π_{j<=i} a_j, with a_j the acceptance of draft position j given the ones before were accepted,
+  tracked with exponential forgetting so it follows the text (a code block after prose, a quoted passage). Every
+  round also gives a free sample one position beyond what it verified when everything verified was accepted (the
+  target's distribution there is known: it drew the bonus from it), so a K = 0 round still measures a_1, which is
+  how the policy returns to speculation when the text becomes predictable.
+* R(K) = the round's time: the target's verification over K+1 positions, T_v(K), measured online per K at the
+  current context (an unmeasured K is scaled from the measured ones, T_v ∝ 1 + βK, β fitted once two K are
+  measured), next to the draft's round T_d (they overlap unless the draft runs inline), plus the loop's measured
+  overhead and, on a miss, the backup's time.
+
+An unmeasured K whose predicted speed comes within 10 % of the best is tried once, so that the cost curve is
+learnt where it matters. `lookahead_schedule="constant"` verifies K_max every round.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+DECAY = 0.85  # per round: half the weight of a sample after ~4 rounds
+COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
+EXPLORE_WITHIN = 0.9
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E(k) = 1 + Σ_{i<=k} Π_{j<=i} a_j: tokens per round verifying k draft tokens (the bonus included)."""
+    total, reach = 1.0, 1.0
+    for a in acceptance[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+class _Ema:
+    def __init__(self, decay: float):
+        self.decay, self.value = decay, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+
+class AcceptanceTracker:
+    """Per draft position j = 1..K_max+1: decayed counts of (reached, accepted); the estimate shrinks to `prior`."""
+
+    def __init__(self, positions: int, prior: float, prior_weight: float = 1.0):
+        self.reached = [0.0] * positions
+        self.passed = [0.0] * positions
+        self.prior, self.prior_weight = prior, prior_weight
+
+    def decay(self) -> None:
+        self.reached = [DECAY * r for r in self.reached]
+        self.passed = [DECAY * p for p in self.passed]
+
+    def add(self, position: int, accepted: float) -> None:
+        """`accepted` is 0/1 (a verified token) or a probability (a free sample under sampling)."""
+        if position < len(self.reached):
+            self.reached[position] += 1.0
+            self.passed[position] += accepted
+
+    def estimates(self) -> list[float]:
+        w = self.prior_weight
+        return [(p + self.prior * w) / (r + w) for p, r in zip(self.passed, self.reached)]
+
+
+class LookaheadPolicy:
+    """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
+
+    def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
+                 device_type: str = "cpu"):
+        self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
+        self.acceptance = AcceptanceTracker(lookahead + 1, acceptance_prior)
+        self.verify = {}  # K -> _Ema of the target forward seconds
+        self.slope_prior = 0.3 if device_type == "cpu" else 0.02  # T_v(K) / T_v(0) - 1 per extra position
+        self.draft = _Ema(COST_DECAY)  # seconds of one prepare (glue, fork, tree)
+        self.backup = _Ema(COST_DECAY)  # seconds of one just-in-time backup
+        self.overhead = _Ema(COST_DECAY)  # round time not explained by the model
+        self.hit_rate = _Ema(DECAY)
+        self.trace: list[dict] = []
+        self._round_start: float | None = None
+        self._timings = None
+        self._rounds = 0
+
+    # --- the cost model ----------------------------------------------------------------------------------------
+    def verify_seconds(self, k: int) -> float | None:
+        measured = {n: e.value for n, e in self.verify.items()}
+        if k in measured:
+            return measured[k]
+        if not measured:
+            return None
+        slope = self.slope_prior
+        if len(measured) >= 2:
+            (n0, t0), (n1, t1) = sorted(measured.items())[0], sorted(measured.items())[-1]
+            per_position = (t1 - t0) / (n1 - n0)
+            base = t0 - per_position * n0
+            if base > 0:
+                slope = max(per_position / base, 0.0)
+        n_ref, t_ref = min(measured.items(), key=lambda item: abs(item[0] - k))
+        return t_ref * (1 + slope * k) / (1 + slope * n_ref)
+
+    def round_seconds(self, k: int) -> float | None:
+        verify = self.verify_seconds(k)
+        if verify is None:
+            return None
+        draft = self.draft.value or 0.0
+        body = max(verify, draft) if self.concurrent else verify + draft
+        miss = (1 - (self.hit_rate.value if self.hit_rate.value is not None else 1.0)) * (self.backup.value or 0.0)
+        return body + max(self.overhead.value or 0.0, 0.0) + miss
+
+    # --- the decision ------------------------------------------------------------------------------------------
+    def choose(self, limit: int) -> int:
+        """K for this round, at most `limit` (what max_length leaves); starts the round's clock."""
+        self._round_start = time.perf_counter()
+        k = self._choose(min(limit, self.k_max))
+        return k
+
+    def _choose(self, limit: int) -> int:
+        if not self.adaptive or limit <= 0:
+            self._record(limit, None, "constant" if not self.adaptive else "limit")
+            return max(limit, 0)
+        acceptance = self.acceptance.estimates()
+        speeds = {}
+        for k in range(limit + 1):
+            seconds = self.round_seconds(k)
+            if seconds is not None and seconds > 0:
+                speeds[k] = expected_tokens(acceptance, k) / seconds
+        if not speeds:  # nothing measured yet (the first round): the configured K
+            self._record(limit, None, "first round")
+            return limit
+        best = max(speeds, key=speeds.get)
+        unmeasured = [k for k in speeds if k not in self.verify and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
+        if unmeasured:
+            choice = max(unmeasured, key=speeds.get)
+            self._record(choice, speeds, "explore")
+            return choice
+        self._record(best, speeds, "best")
+        return best
+
+    def _record(self, k: int, speeds: dict | None, why: str) -> None:
+        entry = {"k": k, "why": why, "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
+        if speeds:
+            entry["tok_s"] = {n: round(v, 2) for n, v in speeds.items()}
+            entry["verify_ms"] = {n: round(1e3 * (self.verify_seconds(n) or 0.0), 2) for n in speeds}
+            entry["draft_ms"] = round(1e3 * (self.draft.value or 0.0), 2)
+            entry["overhead_ms"] = round(1e3 * (self.overhead.value or 0.0), 2)
+            entry["hit_rate"] = None if self.hit_rate.value is None else round(self.hit_rate.value, 3)
+        self.trace.append(entry)
+
+    # --- what a round measured ---------------------------------------------------------------------------------
+    def observe_verification(self, rows, verdict) -> None:
+        """Acceptance samples from this round's verification (see the module docstring)."""
+        self.acceptance.decay()
+        n = verdict.verified
+        probs = None
+        for i, row in enumerate(rows):
+            accepted = verdict.accepted[i]
+            for j in range(accepted):
+                self.acceptance.add(j, 1.0)
+            if accepted < n:
+                self.acceptance.add(accepted, 0.0)
+                continue
+            spec = row.speculation  # everything verified was accepted: a free sample one position on
+            if spec.tokens.shape[0] <= n:
+                continue
+            token = int(spec.tokens[n])
+            scores = verdict.scores[i, n]
+            if spec.probs is None:
+                self.acceptance.add(n, float(int(scores.argmax()) == token))
+            else:
+                if probs is None:
+                    probs = verdict.scores[:, n].softmax(-1)
+                q = spec.probs[n].to(probs.device, torch.float32)
+                self.acceptance.add(n, float(torch.minimum(probs[i], q).sum()))
+
+    def observe_round(self, forward_seconds: float, timings, hits: int, lookups: int) -> None:
+        """The round's target forward time, the draft's running `DraftTimings`, and the lookups it made."""
+        k = self.trace[-1]["k"] if self.trace else self.k_max
+        wall = time.perf_counter() - self._round_start if self._round_start is not None else None
+        first = self._rounds == 0
+        self._rounds += 1
+        previous, self._timings = self._timings, timings
+        if first:  # the first verification holds the target's prefill
+            return
+        self.verify.setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
+        backup_now = 0.0
+        if previous is not None:
+            calls = timings.prepare_calls - previous.prepare_calls
+            if calls > 0:
+                self.draft.add((timings.prepare_seconds - previous.prepare_seconds) / calls)
+            backups = timings.backup_calls - previous.backup_calls
+            backup_now = timings.backup_seconds - previous.backup_seconds
+            if backups > 0:
+                self.backup.add(backup_now / backups)
+        if lookups:
+            self.hit_rate.add(hits / lookups)
+        if wall is not None:
+            draft = self.draft.value or 0.0
+            body = max(forward_seconds, draft) if self.concurrent else forward_seconds + draft
+            self.overhead.add(wall - body - backup_now)
+
+    def metrics(self) -> dict:
+        return {"lookahead_per_round": [entry["k"] for entry in self.trace], "lookahead_decisions": self.trace}
+

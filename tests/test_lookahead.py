@@ -1,0 +1,217 @@
+"""The per-round lookahead (K = 0..K_max): the policy on synthetic measurements, and losslessness when K changes
+between rounds — K = 0 rounds and returns from them — under greedy decoding (every architecture and executor) and
+sampling (the exact law, with a negative control)."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_pair
+from test_sampling_law import (
+    ALPHA,
+    E2E_VOCAB,
+    REJECT,
+    SAMPLES,
+    TEMPERATURE,
+    WARPED,
+    exact_law,
+    law_pvalues,
+    ssd_samples,
+)
+
+from hf_ssd import SSDConfig, enable_ssd
+from hf_ssd.generation import lookahead as lookahead_module
+from hf_ssd.generation.candidate_generator import DraftTimings
+from hf_ssd.generation.lookahead import LookaheadPolicy, expected_tokens
+
+# --- the policy, on synthetic rounds ---------------------------------------------------------------------------
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0] * 4, 4) == 5.0
+
+
+def _verdict(verified: int, accepted: int, target_next: int, vocab: int = 8):
+    """One row's verification: `accepted` of `verified` drafted tokens [1, 2, 3, ...]; the target's argmax at
+    position `verified` is `target_next`."""
+    scores = torch.zeros(1, verified + 1, vocab)
+    scores[0, verified, target_next] = 5.0
+    return SimpleNamespace(verified=verified, accepted=[accepted], scores=scores)
+
+
+def _row(k_max: int):
+    return SimpleNamespace(speculation=SimpleNamespace(tokens=torch.arange(1, k_max + 1), probs=None))
+
+
+def _drive(policy, rounds: int, accept_all: bool, verify_ms=lambda k: 10.0 * (1 + 0.5 * k), draft_ms=5.0,
+           clock=None):
+    """Run `rounds` synthetic rounds: the draft's tokens are [1, 2, ...]; each verified one is accepted when
+    `accept_all`, none otherwise; times come from `verify_ms(K)` and a draft round of `draft_ms`."""
+    timings = DraftTimings()
+    row = _row(policy.k_max)
+    for _ in range(rounds):
+        k = policy.choose(policy.k_max)
+        accepted = k if accept_all else 0
+        nxt = k + 1 if accept_all else 0  # the token after the accepted ones: the draft's own (s_{k+1}) or not
+        policy.observe_verification([row], _verdict(k, accepted, nxt))
+        timings = DraftTimings(timings.prepare_calls + 1, timings.prepare_seconds + draft_ms / 1e3)
+        clock[0] += max(verify_ms(k), draft_ms) / 1e3
+        policy.observe_round(verify_ms(k) / 1e3, timings, hits=1, lookups=1)
+    return [entry["k"] for entry in policy.trace]
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake clock for the policy's round timing: time advances only as `_drive` says."""
+    now = [0.0]
+    monkeypatch.setattr(lookahead_module.time, "perf_counter", lambda: now[0])
+    return now
+
+
+def test_policy_speculates_deep_when_the_draft_is_accepted(clock):
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True)
+    ks = _drive(policy, 30, accept_all=True, clock=clock)
+    assert ks[0] == 4 and ks[-5:] == [4] * 5  # the first round verifies K_max; deep rounds pay here
+    assert policy.trace[-1]["why"] == "best" and policy.trace[-1]["acceptance"][0] > 0.95
+
+
+def test_policy_falls_back_to_plain_steps_and_returns(clock):
+    """A useless draft: verifying costs more than it brings, the policy verifies 0 tokens (plain target steps);
+    when the draft's next-token guesses start to match (the free position-1 samples of K = 0 rounds), it
+    speculates again."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True)
+    ks = _drive(policy, 25, accept_all=False, clock=clock)
+    assert ks[-10:] == [0] * 10
+    assert 0 in policy.verify and policy.trace[-1]["acceptance"][0] < 0.1
+    ks = _drive(policy, 15, accept_all=True, clock=clock)
+    assert ks[-1] > 0 and ks[-3:] == [4] * 3
+
+
+def test_policy_explores_an_unmeasured_k_that_might_be_better(clock):
+    """Only K_max measured, and a middling acceptance: a K whose predicted speed is within 10 % of the best is
+    tried once, so its cost is measured rather than guessed."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.5, concurrent=True)
+    _drive(policy, 2, accept_all=True, clock=clock)
+    policy.acceptance.reached = [10.0] * 5
+    policy.acceptance.passed = [5.0] * 5  # a = 0.5 everywhere
+    k = policy.choose(4)
+    entry = policy.trace[-1]
+    assert entry["why"] == "explore" and k not in {4} and entry["tok_s"][k] >= 0.9 * max(entry["tok_s"].values())
+
+
+def test_cost_curve_from_two_measured_k(clock):
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True)
+    policy.verify = {0: lookahead_module._Ema(0.5), 4: lookahead_module._Ema(0.5)}
+    policy.verify[0].add(0.010)
+    policy.verify[4].add(0.030)
+    assert policy.verify_seconds(2) == pytest.approx(0.020)  # linear between the measured points
+    assert policy.verify_seconds(4) == pytest.approx(0.030)
+
+
+def test_constant_schedule_always_verifies_k_max(clock):
+    policy = LookaheadPolicy(3, adaptive=False, acceptance_prior=0.7, concurrent=True)
+    assert _drive(policy, 8, accept_all=False, clock=clock) == [3] * 8
+    assert policy.choose(1) == 1  # but never past what max_length leaves
+
+
+# --- losslessness when K changes ---------------------------------------------------------------------------------
+
+SCRIPT = [0, 3, 1, 0, 0, 2, 3, 0, 1, 2]
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """The policy verifies SCRIPT[round % len] tokens (capped by what max_length leaves): K = 0 rounds, returns,
+    every K, whatever the timing."""
+    def choose(self, limit):
+        k = min(SCRIPT[len(self.trace) % len(SCRIPT)], limit)
+        self._record(k, None, "scripted")
+        return k
+
+    monkeypatch.setattr(LookaheadPolicy, "_choose", choose)
+
+
+ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
+
+
+@pytest.mark.parametrize("executor", ["sync", "thread", "process"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identical_while_k_changes(scripted, arch, executor):
+    target, random_draft = tiny_pair(arch, seed=60 + ARCHS.index(arch))
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(5))
+    expected = target.generate(ids, max_new_tokens=33, do_sample=False)
+    for draft in (target, random_draft):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=33, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected), (arch, executor)
+        m = target.ssd_metrics
+        script = list(itertools.islice(itertools.cycle(SCRIPT), m.batch_rounds))
+        assert len(m.lookahead_per_round) == m.batch_rounds and m.lookahead_per_round[:-1] == script[:-1]
+        assert m.lookahead_per_round[-1] <= script[-1]  # the last round: what max_length leaves
+        assert m.generated_tokens == 33
+        if draft is target:
+            assert m.cache_hits > 0 and m.draft_acceptance_rate == 1.0
+
+
+def test_batch_greedy_identical_while_k_changes(scripted):
+    target, draft = tiny_pair("llama", seed=70)
+    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    ids = ids * mask
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=21, do_sample=False, pad_token_id=0)
+    for assistant in (target, draft):
+        out = target.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=21,
+                              do_sample=False, pad_token_id=0, ssd_config=SSDConfig(lookahead=3))
+        assert torch.equal(out, expected)
+        assert 0 in target.ssd_metrics.lookahead_per_round
+
+
+@pytest.fixture(scope="module")
+def law_models():
+    """The sampling-law pair of test_sampling_law: a peaked 1-layer target and an unrelated draft."""
+    target = enable_ssd(tiny_model(layers=1, vocab_size=E2E_VOCAB, hidden=16, seed=0, initializer_range=0.3))
+    draft = tiny_model(layers=1, vocab_size=E2E_VOCAB, hidden=16, seed=7, initializer_range=0.3)
+    return {"target": target, "self": target, "random": draft}
+
+
+@pytest.mark.parametrize("draft, c, backup, executor, sampling", [
+    pytest.param("self", 0.3, "draft", "sync", TEMPERATURE, id="self-C0.3-draft-sync"),
+    pytest.param("random", 1.0, "ngram", "thread", WARPED, id="rand-C1-ngram-thread-warped"),
+    pytest.param("self", 1.0, "random", "process", TEMPERATURE, id="self-C1-random-process"),
+])
+def test_sampling_law_while_k_changes(scripted, law_models, draft, c, backup, executor, sampling):
+    """4 new tokens per sample: the scripted rounds verify 0, 3, 1, 0 ... tokens, so samples mix plain steps,
+    returns to speculation and cached branches verified partly."""
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=c, backup=backup, executor=executor)
+    counts, hits, misses = ssd_samples(target, law_models[draft], config, sampling, seed=99)
+    pvalues = law_pvalues(exact_law(target, sampling), counts)
+    print(f"p-values {pvalues}, hits {hits}, misses {misses}")
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+def test_negative_control_q_shifted_when_k_is_partial(scripted, law_models, monkeypatch):
+    """Power check: verifying a partly verified speculation against q shifted by one position (an off-by-one in
+    slicing q to K) is rejected by the same harness."""
+    from hf_ssd.generation import target_rows
+
+    original = target_rows.accept
+
+    def shifted(tokens, scores, q, generator):
+        if q is not None and q.shape[1] >= 1:
+            q = torch.cat([q[:, 1:], q[:, :1]], dim=1)
+        return original(tokens, scores, q, generator)
+
+    monkeypatch.setattr(target_rows, "accept", shifted)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="random", executor="sync")
+    counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=99, samples=SAMPLES)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"negative control p-values {pvalues}")
+    assert min(pvalues.values()) < REJECT, pvalues
