@@ -89,7 +89,7 @@ def test_policy_falls_back_to_plain_steps_and_returns(clock):
     assert ks[-10:] == [0] * 10
     assert 0 in policy.verify and policy.trace[-1]["acceptance"][0] < 0.1
     ks = _drive(policy, 15, accept_all=True, clock=clock)
-    assert ks[-1] > 0 and ks[-3:] == [4] * 3
+    assert 0 not in ks[-6:] and ks[-1] == 4  # back to speculating, deep
 
 
 def test_policy_explores_an_unmeasured_k_that_might_be_better(clock):
@@ -104,13 +104,39 @@ def test_policy_explores_an_unmeasured_k_that_might_be_better(clock):
     assert entry["why"] == "explore" and k not in {4} and entry["tok_s"][k] >= 0.9 * max(entry["tok_s"].values())
 
 
-def test_cost_curve_from_two_measured_k(clock):
-    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True)
-    policy.verify = {0: lookahead_module._Ema(0.5), 4: lookahead_module._Ema(0.5)}
-    policy.verify[0].add(0.010)
-    policy.verify[4].add(0.030)
-    assert policy.verify_seconds(2) == pytest.approx(0.020)  # linear between the measured points
-    assert policy.verify_seconds(4) == pytest.approx(0.030)
+def _measured(policy, times: dict[int, float]) -> None:
+    for k, seconds in times.items():
+        policy.verify[k] = lookahead_module._Ema(0.5)
+        policy.verify[k].add(seconds)
+
+
+def test_cost_curve_from_what_was_measured(clock):
+    """Several positions are interpolated along a line through the measured ones; a plain step (K = 0), whose
+    cost on a CPU is of another kind (one position: a matrix-vector product), is scaled by the prior shape until
+    it is measured itself."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    _measured(policy, {4: 0.030})
+    assert policy.verify_seconds(0) == pytest.approx(0.030 / (2.0 + 0.1 * 3))
+    assert policy.verify_seconds(2) == pytest.approx(0.030 * 2.1 / 2.3)
+    _measured(policy, {1: 0.026})
+    assert policy.verify_seconds(2) == pytest.approx(0.026 + 0.004 / 3)  # on the line through K = 1 and K = 4
+    assert policy.verify_seconds(0) == pytest.approx(0.026 / 2.0)
+    _measured(policy, {0: 0.012})
+    assert policy.verify_seconds(0) == pytest.approx(0.012) and policy.verify_seconds(4) == pytest.approx(0.030)
+    gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cuda")
+    _measured(gpu, {4: 0.030})
+    assert gpu.verify_seconds(0) == pytest.approx(0.030 / (1.02 + 0.02 * 3))
+
+
+def test_a_plain_step_is_tried_when_it_might_win(clock):
+    """Measured verifications of several positions cost about the same (a CPU's matrix products), acceptance is
+    low: the plain step's optimistic prior makes it worth one try, after which its measured cost decides."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.3, concurrent=True, device_type="cpu")
+    _measured(policy, {1: 0.90, 3: 0.93, 4: 0.95})
+    policy._rounds = 3
+    policy.acceptance.reached = [10.0] * 5
+    policy.acceptance.passed = [3.0] * 5
+    assert policy.choose(4) == 0 and policy.trace[-1]["why"] in {"explore", "best"}
 
 
 def test_constant_schedule_always_verifies_k_max(clock):

@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=3, help="prompts per set (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="short name, hub id or folder")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="short name, hub id or folder")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b",
+                        help="short name, hub id or folder; 'random': a small random-weight draft of the target's "
+                        "architecture and vocabulary (a useless draft)")
     parser.add_argument("--target-precision", default="fp32", choices=["fp32", "int8"])
     parser.add_argument("--draft-precision", default="int8", choices=["fp32", "int8"])
     parser.add_argument("--lookahead", "-K", type=int, default=4)
@@ -68,6 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "results.json from DIR/results.json (an earlier run)")
 
 
+def random_draft_like(target, layers: int = 2, hidden: int = 256, seed: int = 0):
+    """A useless draft: a small model of the target's architecture and vocabulary with random weights (what SSD
+    must not be slowed down by)."""
+    import torch
+
+    settings = target.config.to_dict()
+    heads = max(1, hidden // 64)
+    settings.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                    num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads)
+    if settings.get("layer_types"):
+        settings["layer_types"] = settings["layer_types"][:layers]
+    torch.manual_seed(seed)
+    return type(target)(type(target.config)(**settings)).eval()
+
+
 def load_models(target_name: str, draft_name: str, target_precision: str, draft_precision: str):
     """(target with SSD enabled, draft, tokenizer, info) from short names, hub ids or folders."""
     import copy
@@ -80,10 +97,13 @@ def load_models(target_name: str, draft_name: str, target_precision: str, draft_
     from ..precision import apply_precision
 
     target_path = resolve_model(target_name)
-    draft_path = resolve_model(draft_name)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    draft = target if draft_path == target_path else AutoModelForCausalLM.from_pretrained(
-        draft_path, dtype=torch.float32).eval()
+    if draft_name == "random":
+        draft_path, draft = "random", random_draft_like(target)
+    else:
+        draft_path = resolve_model(draft_name)
+        draft = target if draft_path == target_path else AutoModelForCausalLM.from_pretrained(
+            draft_path, dtype=torch.float32).eval()
     if draft is target and target_precision != draft_precision:
         draft = copy.deepcopy(target)
     t_params = sum(p.numel() for p in target.parameters())
