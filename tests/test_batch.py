@@ -381,9 +381,9 @@ def test_auto_backup_keeps_the_draft_when_it_is_cheap(monkeypatch):
             param.add_(0.002 * torch.randn_like(param))
     original = SaguaroCandidateGenerator._backup_speculations
 
-    def free_backup(self, rows, backup, phase="backup"):
+    def free_backup(self, rows, backup, length, phase="backup"):
         before = self.timings.backup_seconds
-        original(self, rows, backup, phase)
+        original(self, rows, backup, length, phase)
         self.timings.backup_seconds = before + 1e-9 * bool(rows and backup == "draft")
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "_backup_speculations", free_backup)

@@ -148,18 +148,36 @@ def test_constant_schedule_always_verifies_k_max(clock):
 # --- losslessness when K changes ---------------------------------------------------------------------------------
 
 SCRIPT = [0, 3, 1, 0, 0, 2, 3, 0, 1, 2]
+LAW_SCRIPT = [2, 0, 1, 3]  # 4 new tokens: a partial verification, a plain step, a return, all of K
 
 
-@pytest.fixture
-def scripted(monkeypatch):
-    """The policy verifies SCRIPT[round % len] tokens (capped by what max_length leaves): K = 0 rounds, returns,
-    every K, whatever the timing."""
+def _script(monkeypatch, script):
+    """The policy verifies script[round % len] tokens (capped by what the round can verify: after a plain step
+    the draft prepared one token): K = 0 rounds, returns, every K, whatever the timing."""
     def choose(self, limit):
-        k = min(SCRIPT[len(self.trace) % len(SCRIPT)], limit)
+        k = min(script[len(self.trace) % len(script)], limit)
         self._record(k, None, "scripted")
         return k
 
     monkeypatch.setattr(LookaheadPolicy, "_choose", choose)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    _script(monkeypatch, SCRIPT)
+
+
+@pytest.fixture
+def law_scripted(monkeypatch):
+    _script(monkeypatch, LAW_SCRIPT)
+
+
+def scripted_ks(rounds: int, k_max: int = 3) -> list[int]:
+    """The K each round verifies under SCRIPT: after a plain step the draft prepared one token only."""
+    ks = []
+    for k in itertools.islice(itertools.cycle(SCRIPT), rounds):
+        ks.append(min(k, 1 if ks and ks[-1] == 0 else k_max))
+    return ks
 
 
 ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
@@ -176,10 +194,9 @@ def test_greedy_identical_while_k_changes(scripted, arch, executor):
                               ssd_config=SSDConfig(lookahead=3, executor=executor))
         assert torch.equal(out, expected), (arch, executor)
         m = target.ssd_metrics
-        script = list(itertools.islice(itertools.cycle(SCRIPT), m.batch_rounds))
-        assert len(m.lookahead_per_round) == m.batch_rounds and m.lookahead_per_round[:-1] == script[:-1]
-        assert m.lookahead_per_round[-1] <= script[-1]  # the last round: what max_length leaves
-        assert m.generated_tokens == 33
+        assert len(m.lookahead_per_round) == m.batch_rounds and m.generated_tokens == 33
+        assert m.lookahead_per_round[:-1] == scripted_ks(m.batch_rounds)[:-1]
+        assert m.lookahead_per_round[-1] <= scripted_ks(m.batch_rounds)[-1]  # the last: what max_length leaves
         if draft is target:
             assert m.cache_hits > 0 and m.draft_acceptance_rate == 1.0
 
@@ -211,9 +228,9 @@ def law_models():
     pytest.param("random", 1.0, "ngram", "thread", WARPED, id="rand-C1-ngram-thread-warped"),
     pytest.param("self", 1.0, "random", "process", TEMPERATURE, id="self-C1-random-process"),
 ])
-def test_sampling_law_while_k_changes(scripted, law_models, draft, c, backup, executor, sampling):
-    """4 new tokens per sample: the scripted rounds verify 0, 3, 1, 0 ... tokens, so samples mix plain steps,
-    returns to speculation and cached branches verified partly."""
+def test_sampling_law_while_k_changes(law_scripted, law_models, draft, c, backup, executor, sampling):
+    """4 new tokens per sample: the scripted rounds verify 2, 0, 1, 3 tokens (as far as the sample goes), so
+    samples mix partly verified speculations, plain steps, returns to speculation and whole ones."""
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=c, backup=backup, executor=executor)
     counts, hits, misses = ssd_samples(target, law_models[draft], config, sampling, seed=99)
@@ -222,11 +239,12 @@ def test_sampling_law_while_k_changes(scripted, law_models, draft, c, backup, ex
     assert min(pvalues.values()) >= ALPHA, pvalues
 
 
-def test_negative_control_q_shifted_when_k_is_partial(scripted, law_models, monkeypatch):
-    """Power check: verifying a partly verified speculation against q shifted by one position (an off-by-one in
-    slicing q to K) is rejected by the same harness."""
+def test_negative_control_q_shifted_when_k_is_partial(law_models, monkeypatch):
+    """Power check: verifying partly verified speculations (2 of 3 tokens, then 3, 2, 2) against q shifted by one
+    position (an off-by-one in slicing q to K) is rejected by the same harness."""
     from hf_ssd.generation import target_rows
 
+    _script(monkeypatch, [2, 3, 2, 2])
     original = target_rows.accept
 
     def shifted(tokens, scores, q, generator):

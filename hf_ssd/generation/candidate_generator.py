@@ -143,6 +143,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.main_len = 0  # draft cache slots before the tree (committed + glue, per row)
         self.fanout_in_use: list[list[int]] = []  # per row: the fan-out of the round being prepared
         self.outcomes: list[tuple[int, int]] | None = None  # per row (accepted, bonus), once verification is done
+        self.depth = self.lookahead  # the length of the speculations being prepared
         self.skipped_tree_steps = 0
         self.peak_cache_bytes = 0  # largest draft KV held after a compaction (measured where the draft runs)
         self._round = 0
@@ -218,25 +219,26 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.glue_start = positions[:, -1].clone()
         self.t_prev = ids[:, -1].clone()
         self.speculations = [None] * rows
-        self._backup_speculations(list(range(rows)), "draft", phase="prefill")
+        self._backup_speculations(list(range(rows)), "draft", self.lookahead, phase="prefill")
         return list(self.speculations)
 
     def _top(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's top-W tokens, W = branches + 1 (enough for any fork after skipping s_{j+1})."""
         return logits.topk(min(self.vocab_size, self.config.branches + 1), dim=-1).indices
 
-    def _draft_just_in_time(self, missed: torch.Tensor, phase: str) -> tuple[
+    def _draft_just_in_time(self, missed: torch.Tensor, length: int, phase: str) -> tuple[
         torch.Tensor, torch.Tensor | None, torch.Tensor
     ]:
-        """The draft model's own speculation for the rows in `missed` [b] (bool): K single-token forwards.
+        """The draft model's own speculation of `length` tokens for the rows in `missed` [b] (bool): that many
+        single-token forwards.
 
         The other rows ride along as invisible dummies (one forward serves the whole batch). The real rows' KV stays
         in the cache and their top tokens travel with the speculation, so the next glue forward only has to run
-        the last drafted token. Returns tokens [b, K], q [b, K, V] or None, row_top [b, K, W].
+        the last drafted token. Returns tokens [b, n], q [b, n, V] or None, row_top [b, n, W].
         """
         token = self.t_prev.clone()
         tokens, probs, tops = [], [], []
-        for i in range(self.lookahead):
+        for i in range(length):
             self.check()
             visible = causal_visibility(self.cache.valid, 1, missed[:, None])
             logits = self.cache.forward(token[:, None], (self.glue_start + i)[:, None], visible, valid=missed[:, None],
@@ -248,15 +250,16 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         stacked = torch.stack(probs, dim=1) if self.do_sample else None
         return torch.stack(tokens, dim=1), stacked, torch.stack(tops, dim=1)
 
-    def _backup_speculations(self, rows: list[int], backup: str, phase: str = "backup") -> None:
-        """Fill `self.speculations[r]` for the rows that missed, with `backup` (its forwards timed as `phase`)."""
+    def _backup_speculations(self, rows: list[int], backup: str, length: int, phase: str = "backup") -> None:
+        """Fill `self.speculations[r]` for the rows that missed, with `length` tokens of `backup` (its forwards
+        timed as `phase`)."""
         if not rows:
             return
         if backup == "draft":
             started = time.perf_counter()
             missed = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
             missed[rows] = True
-            tokens, probs, tops = self._draft_just_in_time(missed, phase)
+            tokens, probs, tops = self._draft_just_in_time(missed, length, phase)
             for r in rows:
                 self.speculations[r] = Speculation(
                     tokens[r], None if probs is None else probs[r], "draft", row_top=tops[r]
@@ -266,20 +269,20 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             return
         for r in rows:
             tokens, probs = backup_speculation(
-                self.contexts[r], self.lookahead, self.vocab_size, self.generator, self.device,
+                self.contexts[r], length, self.vocab_size, self.generator, self.device,
                 self.config.ngram_max if backup == "ngram" else None, self.do_sample,
             )
             self.speculations[r] = Speculation(tokens, probs, backup)
 
     def _glue(self, speculations: list[Speculation]) -> torch.Tensor:
-        """Append every row's [t_prev, s_1..s_K] to the draft cache; returns the top-W tokens of its K+1 glue rows
-        [b, K+1, W].
+        """Append every row's [t_prev, s_1..s_n] to the draft cache (every row's speculation has n tokens); returns
+        the top-W tokens of its n+1 glue rows [b, n+1, W].
 
-        A row whose speculation carries `row_top` has [t_prev, s_1..s_{K-1}] cached already and needs s_K alone;
-        when rows differ, those rows' first K glue queries are invisible dummies.
+        A row whose speculation carries `row_top` has [t_prev, s_1..s_{n-1}] cached already and needs s_n alone;
+        when rows differ, those rows' first n glue queries are invisible dummies.
         """
-        k = self.lookahead
         drafted = torch.stack([s.tokens for s in speculations]).to(self.device)
+        k = drafted.shape[1]
         pre_glued = [s.row_top is not None for s in speculations]
         if all(pre_glued):
             visible = causal_visibility(self.cache.valid, 1)
@@ -298,22 +301,25 @@ class SaguaroCandidateGenerator(CandidateGenerator):
                 top[r, :k] = spec.row_top.to(self.device)
         return top
 
-    def prepare(self, verified: int | None = None, speculations: list[Speculation] | None = None) -> None:
+    def prepare(self, verified: int | None = None, depth: int | None = None,
+                speculations: list[Speculation] | None = None) -> None:
         """Glue, fork and tree-decode every branch of every row for the outcomes of verifying the first `verified`
-        tokens (default: all K) of `speculations` (default: the ones `begin` / `resolve` handed out last, which is
-        what the target verifies).
+        tokens (default: all) of `speculations` (default: the ones `begin` / `resolve` handed out last, which is
+        what the target verifies), each branch `depth` tokens deep (default K: the next speculations' length).
 
         Outcomes are k = 0..verified accepted tokens plus a bonus: forks j < verified skip the drafted s_{j+1} (it
         would have been accepted), the last fork does not (s_{verified+1} was not verified). The tree's KV stays in
         the cache until `resolve`, which keeps each row's hit branch.
         """
+        speculations = self.speculations if speculations is None else list(speculations)
+        length = speculations[0].tokens.shape[0] if speculations else 0
         with self.clock("prepare"):
-            self._prepare(self.speculations if speculations is None else list(speculations),
-                          self.lookahead if verified is None else verified)
+            self._prepare(speculations, length if verified is None else verified,
+                          self.lookahead if depth is None else max(1, min(depth, self.lookahead)))
 
-    def _prepare(self, speculations: list[Speculation], verified: int) -> None:
+    def _prepare(self, speculations: list[Speculation], verified: int, depth: int) -> None:
         started = time.perf_counter()
-        k = self.lookahead
+        k = self.depth = depth
         self.speculations = speculations
         self.spec_cache = None
         self._reseed(0)
@@ -417,7 +423,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.schedules = self.estimator.schedules()
         self._round += 1
         self._reseed(1)
-        self._backup_speculations([i for i, s in enumerate(self.speculations) if s is None], backup)
+        self._backup_speculations([i for i, s in enumerate(self.speculations) if s is None], backup, self.depth)
         return [Resolution(self.speculations[i], found_by_row[r] is not None) for i, r in enumerate(keep_rows)]
 
     # --- transformers' CandidateGenerator interface (synchronous, batch 1) --------------------------------------

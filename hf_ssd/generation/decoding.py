@@ -65,10 +65,9 @@ def ssd_decoding(
         with phase("wait_first"):  # the draft's prefill and first speculations, on every core
             batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask")).result())
         while True:
-            verified = policy.choose(batch.verifiable(config.lookahead, generation_config.max_length,
-                                                      target.max_positions))
+            verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions))
             with phase("wait_prepare"):  # a submission (inline with executor="sync": the whole task)
-                preparing = drafter.prepare(verified)  # concurrent with the verification below
+                preparing = drafter.prepare(verified, policy.depth(verified))  # concurrent with the verification
             with recorder.verification():
                 verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores)
             with phase("hand_off"):

@@ -15,7 +15,8 @@ round time, from what this run has measured:
   overhead and, on a miss, the backup's time.
 
 An unmeasured K whose predicted speed comes within 10 % of the best is tried once, so that the cost curve is
-learnt where it matters. `lookahead_schedule="constant"` verifies K_max every round.
+learnt where it matters. While it takes plain steps the draft prepares speculations one token deep (`depth`).
+`lookahead_schedule="constant"` verifies K_max every round.
 """
 
 from __future__ import annotations
@@ -127,6 +128,15 @@ class LookaheadPolicy:
         self._round_start = time.perf_counter()
         k = self._choose(min(limit, self.k_max))
         return k
+
+    def depth(self, k: int) -> int:
+        """How many tokens deep the draft prepares the next speculations: K_max, but 1 while the target takes plain
+        steps (enough for the free acceptance sample that tells when to speculate again; the draft's round shrinks
+        to two forwards, so it barely competes with the target for the machine)."""
+        depth = self.k_max if k > 0 or not self.adaptive else 1
+        if self.trace:
+            self.trace[-1]["depth"] = depth
+        return depth
 
     def _choose(self, limit: int) -> int:
         if not self.adaptive or limit <= 0:

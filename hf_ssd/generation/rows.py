@@ -72,13 +72,14 @@ class Batch:
         for row, speculation in zip(self.active, speculations):
             row.speculation = speculation
 
-    def verifiable(self, lookahead: int, max_length: int, max_positions: int) -> int:
-        """Draft tokens to verify this round: what the least advanced row can still use under `max_length` (the
-        last position is the bonus; rows further on are capped when they emit), never past the position
-        embeddings."""
+    def verifiable(self, max_length: int, max_positions: int) -> int:
+        """The most draft tokens this round can verify: the speculations' length, what the least advanced row can
+        still use under `max_length` (the last position is the bonus; rows further on are capped when they emit),
+        never past the position embeddings."""
         shortest = min(row.ids.shape[0] for row in self.active)
         longest = max(row.ids.shape[0] for row in self.active)
-        return max(0, min(lookahead, max_length - shortest - 1, max_positions - longest - 1))
+        drafted = min(row.speculation.tokens.shape[0] for row in self.active)
+        return max(0, min(drafted, max_length - shortest - 1, max_positions - longest - 1))
 
     def emit(self, verdict: Verdict, recorder) -> list[int]:
         """Append each active row's accepted tokens and bonus, stopping at the first token a stopping criterion

@@ -62,9 +62,9 @@ class DraftExecutor(ABC):
         """Prefill the prompts and draft the first speculations; pending `list[Speculation]`, one per row."""
 
     @abstractmethod
-    def prepare(self, verified: int):
-        """Start preparing the outcomes of verifying the first `verified` tokens of the speculations handed out last;
-        pending None."""
+    def prepare(self, verified: int, depth: int):
+        """Start preparing the outcomes of verifying the first `verified` tokens of the speculations handed out last,
+        the next speculations `depth` tokens long; pending None."""
 
     @abstractmethod
     def announce(self, accepted: list[int], bonus: list[int]) -> None:

@@ -77,9 +77,10 @@ class ProcessExecutor(DraftExecutor):
         buffers = self.buffers
         meta = buffers.meta[slot, :count].tolist()
         out = []
-        for i, (source, hit) in enumerate(meta):
-            probs = None if buffers.probs is None else buffers.probs[slot, i]
-            out.append(Resolution(Speculation(buffers.tokens[slot, i], probs, wire.source_name(source)), bool(hit)))
+        for i, (source, hit, length) in enumerate(meta):
+            probs = None if buffers.probs is None else buffers.probs[slot, i, :length]
+            speculation = Speculation(buffers.tokens[slot, i, :length], probs, wire.source_name(source))
+            out.append(Resolution(speculation, bool(hit)))
         return out
 
     # --- the round protocol ------------------------------------------------------------------------------------
@@ -101,9 +102,9 @@ class ProcessExecutor(DraftExecutor):
         seq = self._send(wire.BEGIN, payload=payload)
         return _Pending(self, seq, lambda: [r.speculation for r in self._speculations(0, rows)])
 
-    def prepare(self, verified: int):
+    def prepare(self, verified: int, depth: int):
         self.round += 1
-        return _Pending(self, self._send(wire.PREPARE, self.round, verified), lambda: None)
+        return _Pending(self, self._send(wire.PREPARE, self.round, verified, depth), lambda: None)
 
     def announce(self, accepted, bonus) -> None:
         n = len(accepted)

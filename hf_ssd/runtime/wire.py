@@ -45,8 +45,9 @@ class RoundBuffers:
 
     `outcomes` [rows, 2] (accepted, bonus) and `keep` [rows] (batch positions staying) go to the worker; the
     speculations come back double-buffered by round parity, so the ones being verified stay intact while the next
-    ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V] (sampling only), `meta` [2, rows, 2]
-    (source code, hit). `stats` holds the drafter's running `DraftTimings` and busy seconds.
+    ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V] (sampling only), `meta` [2, rows, 3]
+    (source code, hit, length: a speculation may be shorter than K). `stats` holds the drafter's running
+    `DraftTimings` and busy seconds.
     """
 
     outcomes: torch.Tensor
@@ -71,7 +72,7 @@ class RoundBuffers:
             outcomes=host(rows, 2), keep=host(rows),
             tokens=on_device(2, rows, lookahead, dtype=torch.long),
             probs=None if vocab_size is None else on_device(2, rows, lookahead, vocab_size, dtype=torch.float32),
-            meta=host(2, rows, 2), stats=host(5, dtype=torch.float64),
+            meta=host(2, rows, 3), stats=host(5, dtype=torch.float64),
         )
 
     def fits(self, rows: int, lookahead: int, vocab_size: int | None, device: torch.device) -> bool:

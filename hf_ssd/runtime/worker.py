@@ -86,7 +86,7 @@ class _Server:
             with torch.no_grad():
                 if op == wire.PREPARE:
                     session.round = a
-                    session.drafter.prepare(verified=b)
+                    session.drafter.prepare(verified=b, depth=c)
                 elif op == wire.RESOLVE:
                     self.resolve(session, verified=a, backup=wire.BACKUPS[b], kept=c)
                 else:
@@ -148,11 +148,11 @@ class _Server:
     def _write(self, session: _Session, speculations) -> None:
         buffers, slot = session.buffers, session.slot
         for i, (spec, hit) in enumerate(speculations):
-            buffers.tokens[slot, i] = spec.tokens
+            length = spec.tokens.shape[0]
+            buffers.tokens[slot, i, :length] = spec.tokens
             if buffers.probs is not None:
-                buffers.probs[slot, i] = spec.probs
-            buffers.meta[slot, i, 0] = wire.source_code(spec.source)
-            buffers.meta[slot, i, 1] = int(hit)
+                buffers.probs[slot, i, :length] = spec.probs
+            buffers.meta[slot, i] = torch.tensor([wire.source_code(spec.source), int(hit), length])
 
     def _publish(self, session: _Session) -> None:
         t = session.drafter.timings
