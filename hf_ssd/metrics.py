@@ -218,7 +218,7 @@ class MetricsRecorder:
             draft_acceptance_rate=ratio(self.accepted_total, self.verified_total),
             per_position_acceptance=[ratio(p, r) for p, r in zip(self.passed, self.reached)],
             tokens_per_round_hit=self.tokens_per_round("cache"),
-            tokens_per_round_miss=self.tokens_per_round(*(k for k in self.by_source if k != "cache")),
+            tokens_per_round_miss=self.tokens_per_round(*(k for k in self.by_source if k not in ("cache", "plain"))),
             tokens_per_round_by_source={k: ratio(*v) for k, v in sorted(self.by_source.items())},
             rounds_by_source={k: v[1] for k, v in sorted(self.by_source.items())},
             peak_target_kv_bytes=self.peak_target,

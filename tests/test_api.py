@@ -67,6 +67,7 @@ INVALID_FIELDS = [
     ("power_law_prior", 0.0, "(0, 10]"),
     ("power_law_prior", 11.0, "(0, 10]"),
     ("adaptive", "yes", "bool"),
+    ("lookahead_schedule", "heuristic", "adaptive"),
     ("ngram_max", 0, ">= 1"),
 ]
 

@@ -243,7 +243,7 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
     results = run_bench(target, draft, tokenizer, prompt_sets, settings, out, progress=False, log=lambda _: None,
                         info={"models": {"target": {"name": "tiny"}, "draft": {"name": "tiny-draft"}}})
     for name in ("results.json", "results.md", "speedup_by_dataset.png", "hit_rate_vs_fanout.png",
-                 "accepted_length_hist.png"):
+                 "accepted_length_hist.png", "lookahead_per_round.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
     assert data["comparisons"] == json.loads(json.dumps(results["comparisons"]))
@@ -273,6 +273,10 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
     row = data["comparisons"]["extra-cores"][ALL]
     assert row["ssd_over_ar"] == pytest.approx(row["ssd_tok_s"] / row["ar_tok_s"])
     assert set(data["latencies_ms"]["1"]) >= {"target_step_ms", "target_verify_ms", "draft_step_ms", "draft_tree_ms"}
+    assert set(data["latencies_ms"]["1"]["target_verify_ms"]) == {"1", "2", "3"}  # every K the policy may verify
+    assert set(data["latencies_by_dataset_ms"]) == {"tiny"}  # at the context the set decoded at
+    assert data["predictions"][ALL]["prediction"]["adaptive_best_k"] in range(4)
+    assert all(len(r["metrics"]["lookahead_per_round"]) == r["metrics"]["batch_rounds"] for r in ssd_runs)
     assert [r["method"] for r in data["predictions"][ALL]["rows"]] == ["ar@1", "sd@1", "ssd@1+1"]
     assert "PREDICTION" in data["h100_prediction"]["llama-70b"]["label"]
     md = (out / "results.md").read_text()

@@ -44,24 +44,28 @@ def _verdict(verified: int, accepted: int, target_next: int, vocab: int = 8):
     return SimpleNamespace(verified=verified, accepted=[accepted], scores=scores)
 
 
-def _row(k_max: int):
-    return SimpleNamespace(speculation=SimpleNamespace(tokens=torch.arange(1, k_max + 1), probs=None))
+def _row(length: int):
+    return SimpleNamespace(speculation=SimpleNamespace(tokens=torch.arange(1, length + 1), probs=None))
 
 
 def _drive(policy, rounds: int, accept_all: bool, verify_ms=lambda k: 10.0 * (1 + 0.5 * k), draft_ms=5.0,
            clock=None):
-    """Run `rounds` synthetic rounds: the draft's tokens are [1, 2, ...]; each verified one is accepted when
-    `accept_all`, none otherwise; times come from `verify_ms(K)` and a draft round of `draft_ms`."""
+    """Run `rounds` synthetic rounds: the draft's tokens are [1, 2, ...] (as many as the previous round prepared);
+    each verified one is accepted when `accept_all`, none otherwise; times come from `verify_ms(K)` and a draft
+    round of `draft_ms` (none while paused)."""
     timings = DraftTimings()
-    row = _row(policy.k_max)
+    depth = policy._depth_for_tests if hasattr(policy, "_depth_for_tests") else policy.k_max
     for _ in range(rounds):
-        k = policy.choose(policy.k_max)
+        k = policy.choose(depth)
         accepted = k if accept_all else 0
         nxt = k + 1 if accept_all else 0  # the token after the accepted ones: the draft's own (s_{k+1}) or not
-        policy.observe_verification([row], _verdict(k, accepted, nxt))
-        timings = DraftTimings(timings.prepare_calls + 1, timings.prepare_seconds + draft_ms / 1e3)
-        clock[0] += max(verify_ms(k), draft_ms) / 1e3
+        policy.observe_verification([_row(depth)], _verdict(k, accepted, nxt))
+        new_depth = policy.depth(k)
+        drafted = draft_ms if depth else 0.0
+        timings = DraftTimings(timings.prepare_calls + int(depth > 0), timings.prepare_seconds + drafted / 1e3)
+        clock[0] += max(verify_ms(k), drafted) / 1e3
         policy.observe_round(verify_ms(k) / 1e3, timings, hits=1, lookups=1)
+        depth = policy._depth_for_tests = new_depth
     return [entry["k"] for entry in policy.trace]
 
 
@@ -80,16 +84,18 @@ def test_policy_speculates_deep_when_the_draft_is_accepted(clock):
     assert policy.trace[-1]["why"] == "best" and policy.trace[-1]["acceptance"][0] > 0.95
 
 
-def test_policy_falls_back_to_plain_steps_and_returns(clock):
+def test_policy_falls_back_to_plain_steps_pauses_and_returns(clock):
     """A useless draft: verifying costs more than it brings, the policy verifies 0 tokens (plain target steps);
-    when the draft's next-token guesses start to match (the free position-1 samples of K = 0 rounds), it
-    speculates again."""
+    after two of them the draft pauses (depth 0) but for a probe every PROBE_EVERY rounds; when the probes'
+    tokens start to be accepted (the text became predictable), it speculates again."""
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True)
-    ks = _drive(policy, 25, accept_all=False, clock=clock)
+    ks = _drive(policy, 30, accept_all=False, clock=clock)
     assert ks[-10:] == [0] * 10
-    assert 0 in policy.verify and policy.trace[-1]["acceptance"][0] < 0.1
-    ks = _drive(policy, 15, accept_all=True, clock=clock)
-    assert 0 not in ks[-6:] and ks[-1] == 4  # back to speculating, deep
+    assert 0 in policy.verify and policy.trace[-1]["acceptance"][0] < 0.2  # samples only from probes now
+    depths = [entry["depth"] for entry in policy.trace[-16:]]
+    assert depths.count(0) >= 12 and 1 in depths  # paused, with probes
+    ks = _drive(policy, 3 * lookahead_module.PROBE_EVERY, accept_all=True, clock=clock)
+    assert 0 not in ks[-4:] and ks[-1] == 4  # back to speculating, deep
 
 
 def test_policy_explores_an_unmeasured_k_that_might_be_better(clock):
@@ -147,19 +153,25 @@ def test_constant_schedule_always_verifies_k_max(clock):
 
 # --- losslessness when K changes ---------------------------------------------------------------------------------
 
-SCRIPT = [0, 3, 1, 0, 0, 2, 3, 0, 1, 2]
-LAW_SCRIPT = [2, 0, 1, 3]  # 4 new tokens: a partial verification, a plain step, a return, all of K
+# (K verified, depth prepared) per round: plain steps one token deep, a pause (depth 0), a resume, every K
+SCRIPT = [(0, 1), (1, 3), (3, 3), (0, 1), (0, 0), (0, 0), (0, 1), (1, 3), (2, 2), (2, 3), (0, 0), (0, 3)]
+LAW_SCRIPT = [(2, 3), (0, 0), (0, 1), (1, 3)]  # 4 new tokens: partial, a paused plain step, a resume, a return
 
 
 def _script(monkeypatch, script):
-    """The policy verifies script[round % len] tokens (capped by what the round can verify: after a plain step
-    the draft prepared one token): K = 0 rounds, returns, every K, whatever the timing."""
+    """The policy verifies and prepares as `script` says, round after round (K capped by what the round can
+    verify: what the previous round prepared, what max_length leaves), whatever the timing."""
     def choose(self, limit):
-        k = min(script[len(self.trace) % len(script)], limit)
+        k = min(script[len(self.trace) % len(script)][0], limit)
         self._record(k, None, "scripted")
         return k
 
+    def depth(self, k):
+        self.trace[-1]["depth"] = script[(len(self.trace) - 1) % len(script)][1]
+        return self.trace[-1]["depth"]
+
     monkeypatch.setattr(LookaheadPolicy, "_choose", choose)
+    monkeypatch.setattr(LookaheadPolicy, "depth", depth)
 
 
 @pytest.fixture
@@ -173,10 +185,11 @@ def law_scripted(monkeypatch):
 
 
 def scripted_ks(rounds: int, k_max: int = 3) -> list[int]:
-    """The K each round verifies under SCRIPT: after a plain step the draft prepared one token only."""
-    ks = []
-    for k in itertools.islice(itertools.cycle(SCRIPT), rounds):
-        ks.append(min(k, 1 if ks and ks[-1] == 0 else k_max))
+    """The K each round verifies under SCRIPT: at most what the previous round prepared."""
+    ks, prepared = [], k_max
+    for k, depth in itertools.islice(itertools.cycle(SCRIPT), rounds):
+        ks.append(min(k, prepared))
+        prepared = depth
     return ks
 
 
@@ -195,8 +208,10 @@ def test_greedy_identical_while_k_changes(scripted, arch, executor):
         assert torch.equal(out, expected), (arch, executor)
         m = target.ssd_metrics
         assert len(m.lookahead_per_round) == m.batch_rounds and m.generated_tokens == 33
-        assert m.lookahead_per_round[:-1] == scripted_ks(m.batch_rounds)[:-1]
-        assert m.lookahead_per_round[-1] <= scripted_ks(m.batch_rounds)[-1]  # the last: what max_length leaves
+        limits = [decision["limit"] for decision in m.lookahead_decisions]  # what was prepared and max_length leave
+        assert m.lookahead_per_round == [min(k, limit) for k, limit in zip(scripted_ks(m.batch_rounds), limits)]
+        assert m.lookahead_per_round[:-3] == scripted_ks(m.batch_rounds)[:-3]  # max_length cuts only the last ones
+        assert m.rounds_by_source.get("plain", 0) >= 2  # paused plain steps ran (and resumed: K > 0 after them)
         if draft is target:
             assert m.cache_hits > 0 and m.draft_acceptance_rate == 1.0
 
@@ -244,7 +259,7 @@ def test_negative_control_q_shifted_when_k_is_partial(law_models, monkeypatch):
     position (an off-by-one in slicing q to K) is rejected by the same harness."""
     from hf_ssd.generation import target_rows
 
-    _script(monkeypatch, [2, 3, 2, 2])
+    _script(monkeypatch, [(2, 3), (3, 3), (2, 3), (2, 3)])
     original = target_rows.accept
 
     def shifted(tokens, scores, q, generator):

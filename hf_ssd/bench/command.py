@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookahead", "-K", type=int, default=4)
     parser.add_argument("--budget", "-B", type=int, default=8, help="SSD fan-out budget (branches per round)")
     parser.add_argument("--fanout", default="geometric", choices=["geometric", "uniform"])
+    parser.add_argument("--lookahead-schedule", default="adaptive", choices=["adaptive", "constant"],
+                        help="SSD: draft tokens verified per round chosen per round (adaptive) or always K")
     parser.add_argument("--backup", default="auto", choices=["auto", "draft", "ngram", "random"])
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling, seed per prompt")
     parser.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
@@ -192,7 +194,7 @@ def run_command(args: argparse.Namespace) -> int:
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), framing=args.framing,
         draft_threads=args.draft_threads, target_threads=args.target_threads, seed=args.seed, fanout=args.fanout,
         backup=args.backup, latencies=not args.no_latencies, overlap_efficiency=args.overlap_efficiency,
-        executor=args.executor,
+        executor=args.executor, lookahead_schedule=args.lookahead_schedule,
     )
     build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads)  # validate
     prompt_sets = load_prompt_sets(args.prompts, args.limit, args.prompts_dir)

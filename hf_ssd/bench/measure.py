@@ -169,6 +169,7 @@ class BenchSettings:
     fanout: str = "geometric"
     backup: str = "auto"
     executor: str = "auto"  # the ssd method's; ssd-sync runs inline
+    lookahead_schedule: str = "adaptive"
     warmup_tokens: int = 8
     latencies: bool = True
     latency_repeats: int = 3
@@ -195,7 +196,7 @@ class BenchSettings:
             threads = dict(draft_threads=spec.draft_threads, target_threads=spec.target_threads)
         executor = self.executor if spec.kind == "ssd" else spec.executor
         return SSDConfig(lookahead=self.lookahead, fanout_budget=self.budget, fanout=self.fanout, backup=self.backup,
-                         executor=executor, **threads)
+                         executor=executor, lookahead_schedule=self.lookahead_schedule, **threads)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Plots of `hf-ssd bench` results (matplotlib, Agg backend): speedups, hit rate vs fan-out, accepted lengths.
+"""Plots of `hf-ssd bench` results (matplotlib, Agg backend): speedups, hit rate vs fan-out, accepted lengths, K
+per round.
 
 Each function takes the results dict that `hf_ssd.bench.run_bench` returns (the content of results.json) and
 writes one PNG. matplotlib is a development extra, imported only here.
@@ -153,15 +154,42 @@ def plot_accepted_lengths(results: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
+def plot_lookahead(results: Mapping[str, Any], path: Path, per_dataset: int = 1) -> Path:
+    """K verified per round over the generation (the adaptive lookahead), for the first prompt(s) of each set."""
+    key = _ssd_key(results)
+    runs = [r for r in results["runs"] if r["method"] == key and r["repeat"] == 0 and r.get("metrics")
+            and r["metrics"].get("lookahead_per_round") and r["prompt_index"] < per_dataset]
+    K = results["settings"]["lookahead"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for i, run in enumerate(runs):
+        ks = run["metrics"]["lookahead_per_round"]
+        ax.step(range(1, len(ks) + 1), [k + 0.06 * (i - len(runs) / 2) for k in ks], where="mid",
+                label=f"{run['dataset']} #{run['prompt_index']}: mean K {sum(ks) / len(ks):.2f}")
+    ax.set_yticks(range(K + 1))
+    ax.set_xlabel("round")
+    ax.set_ylabel("draft tokens verified (K)")
+    ax.set_title(f"{key}: K chosen every round (0 = a plain target step; lines offset slightly to stay visible)",
+                 fontsize=8)
+    if runs:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_plots(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
-    """speedup_by_dataset.png, hit_rate_vs_fanout.png, accepted_length_hist.png in `out_dir`."""
+    """speedup_by_dataset.png, hit_rate_vs_fanout.png, accepted_length_hist.png, lookahead_per_round.png in
+    `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [plot_speedups(results, out / "speedup_by_dataset.png")]
     if _ssd_key(results):
         written.append(plot_hit_rate(results, out / "hit_rate_vs_fanout.png"))
     written.append(plot_accepted_lengths(results, out / "accepted_length_hist.png"))
+    if _ssd_key(results):
+        written.append(plot_lookahead(results, out / "lookahead_per_round.png"))
     return written
 
 
-__all__ = ["plot_accepted_lengths", "plot_hit_rate", "plot_speedups", "write_plots"]
+__all__ = ["plot_accepted_lengths", "plot_hit_rate", "plot_lookahead", "plot_speedups", "write_plots"]

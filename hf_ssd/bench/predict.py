@@ -24,11 +24,12 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def measure_latencies(target, draft, input_ids, lookahead: int, budget: int, threads: int = 1, repeats: int = 3,
-                      fanout: str = "geometric", tree: bool = True) -> dict[str, Any]:
+                      fanout: str = "geometric", tree: bool = True, verify_ks=None) -> dict[str, Any]:
     """Milliseconds of the forwards the speed model needs, at `threads` intra-op threads, after `input_ids`.
 
     - target_step_ms: target forward over 1 token with the prompt's KV cache (an AR step);
-    - target_verify_ms: target forward over K+1 tokens (a verification of K draft tokens);
+    - target_verify_ms: target forward over k+1 tokens (a verification of k draft tokens), for k in `verify_ks`
+      (default: K alone);
     - draft_step_ms: draft forward over 1 token (SD drafting; the just-in-time backup);
     - draft_forward_ms: draft forward over K+1 tokens (the glue after a fast backup);
     - draft_round_ms / draft_tree_ms: one real SSD draft round (`SaguaroCandidateGenerator.prepare`: glue over
@@ -64,7 +65,7 @@ def measure_latencies(target, draft, input_ids, lookahead: int, budget: int, thr
         torch.set_num_threads(threads)
         with torch.no_grad():
             result["target_step_ms"] = forward_cost(target, 1)
-            result["target_verify_ms"] = {str(lookahead): forward_cost(target, lookahead + 1)}
+            result["target_verify_ms"] = {str(k): forward_cost(target, k + 1) for k in (verify_ks or [lookahead])}
             result["draft_step_ms"] = forward_cost(draft, 1)
             result["draft_forward_ms"] = {str(lookahead + 1): forward_cost(draft, lookahead + 1)}
             if tree:
@@ -112,18 +113,36 @@ def _backup_kind(backup: str) -> str:
     return backup if backup in FAST_BACKUPS else "draft"
 
 
+def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str) -> dict[str, Any]:
+    """The speed model for a run whose rounds verify K = 0..K_max (`lookahead_schedule="adaptive"`): SD and AR as
+    usual at K_max; SSD at the best K for these latencies and statistics (K = 0: plain target steps)."""
+    from ..speed_model import predict
+
+    pred = predict(lat, stats, lookahead, budget, backup, label=label)
+    best_k, best = 0, pred["ar_tok_s"]
+    for k in range(1, lookahead + 1):
+        candidate = predict(lat, stats, k, budget, backup, label=label)["ssd_tok_s"]
+        if candidate > best:
+            best_k, best = k, candidate
+    pred = dict(pred, ssd_tok_s=best, ssd_over_ar=best / pred["ar_tok_s"], ssd_over_sd=best / pred["sd_tok_s"],
+                adaptive_best_k=best_k)
+    return pred
+
+
 def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[MethodSpec],
-                latencies: Mapping[int, Mapping[str, Any]], settings: BenchSettings) -> dict[str, Any]:
+                latencies: Mapping[int, Mapping[str, Any]], settings: BenchSettings,
+                by_dataset: Mapping[str, Mapping[int, Mapping[str, Any]]] | None = None) -> dict[str, Any]:
     """Predicted (speed model, measured latencies + this run's statistics) next to measured decode tok/s.
 
     `latencies[threads]`: `measure_latencies` output at that thread count; the one at the SSD target's thread
     count (with the draft measured) predicts SSD as well as AR and SD; others predict AR and SD only.
+    `by_dataset[name][threads]`, where measured, replaces them for that prompt set (latencies at the context the
+    set's prompts decoded at). An adaptive lookahead is predicted at its best K.
     """
     from ..speed_model import explain_gap, predict
 
     ssd_spec = next((m for m in methods if m.kind == "ssd"), None) or next(
         (m for m in methods if m.kind == "ssd-sync"), None)
-    base = latencies.get(settings.target_threads) or next(iter(latencies.values()))
     out: dict[str, Any] = {}
     for dataset, by_method in summary.items():
         out_pred = None
@@ -133,11 +152,16 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
         stats = statistics_for_model(ssd)
         backup = _backup_kind(ssd.get("backup") or "draft")
         rows = []
-        for threads, measured in sorted(latencies.items()):
+        measured_here = (by_dataset or {}).get(dataset) or latencies
+        base = measured_here.get(settings.target_threads) or next(iter(measured_here.values()))
+        for threads, measured in sorted(measured_here.items()):
             merged = {**base, **{k: v for k, v in measured.items() if v is not None}}
             lat = latencies_for_model(merged, settings.overlap_efficiency)
-            pred = predict(lat, stats, settings.lookahead, settings.budget, backup,
-                           label=f"CPU, latencies measured at {threads} thread(s)")
+            label = f"CPU, latencies measured at {threads} thread(s)"
+            if settings.lookahead_schedule == "adaptive":
+                pred = adaptive_prediction(lat, stats, settings.lookahead, settings.budget, backup, label)
+            else:
+                pred = predict(lat, stats, settings.lookahead, settings.budget, backup, label=label)
             for m in methods:
                 if m.kind in ("ar", "sd") and m.threads == threads:
                     got = by_method[m.key]["decode_tok_s"]

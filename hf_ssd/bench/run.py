@@ -187,13 +187,19 @@ def run_bench(
     if settings.latencies:
         try:
             needed = sorted({m.threads for m in methods if m.kind in ("ar", "sd")} | {settings.target_threads})
-            lats = {}
-            for threads in needed:
-                log(f"measuring latencies at {threads} thread(s)")
-                lats[threads] = measure_latencies(
-                    target, draft, encoded[0][2], settings.lookahead, settings.budget, threads,
-                    settings.latency_repeats, settings.fanout, tree=threads == settings.target_threads)
-            results["latencies_ms"] = {str(k): v for k, v in lats.items()}
+            verify_ks = (list(range(1, settings.lookahead + 1)) if settings.lookahead_schedule == "adaptive"
+                         else [settings.lookahead])
+
+            def measured_at(ids) -> dict[str, Any]:
+                return {str(threads): measure_latencies(
+                    target, draft, ids, settings.lookahead, settings.budget, threads, settings.latency_repeats,
+                    settings.fanout, tree=threads == settings.target_threads,
+                    verify_ks=verify_ks if threads == settings.target_threads else None) for threads in needed}
+
+            log(f"measuring latencies at {', '.join(map(str, needed))} thread(s), at each set's decode context")
+            results["latencies_ms"] = measured_at(decode_context(records, encoded, reference))
+            results["latencies_by_dataset_ms"] = {
+                s.name: measured_at(decode_context(records, encoded, reference, s.name)) for s in prompt_sets}
         except Exception as err:  # a failed side measurement must not lose the run
             results["latencies_error"] = f"{type(err).__name__}: {err}"
             log(f"warning: latency measurement failed: {results['latencies_error']}")
@@ -204,6 +210,23 @@ def run_bench(
     if out_dir is not None:
         write_results(results, out_dir, plots=plots, log=log)
     return results
+
+
+def decode_context(records, encoded, reference: str | None, dataset: str | None = None):
+    """Token ids of a context these prompts decoded at: the reference run whose mid-decode length (prompt + half
+    its new tokens) is the median of the set's (or of all), its prompt plus that half."""
+    import torch
+
+    runs = [r for r in records if (reference is None or r.method == reference) and r.repeat == 0
+            and (dataset is None or r.dataset == dataset)]
+    if not runs:
+        return encoded[0][2]
+    runs.sort(key=lambda r: r.prompt_tokens + r.new_tokens // 2)
+    run = runs[len(runs) // 2]
+    prompt = next(ids for prompt_set, index, ids in encoded
+                  if prompt_set.name == run.dataset and index == run.prompt_index)
+    half = torch.tensor([run.tokens[: run.new_tokens // 2]], dtype=prompt.dtype)
+    return torch.cat([prompt, half], dim=1)
 
 
 _RUN_FIELDS = ("dataset", "prompt_index", "question_id", "method", "repeat", "seed", "prompt_tokens", "new_tokens",
@@ -225,11 +248,13 @@ def recompute(results: dict[str, Any]) -> dict[str, Any]:
     results["summary"] = summary
     results["comparisons"] = comparisons(summary, roles)
     lats = {int(k): v for k, v in (results.get("latencies_ms") or {}).items()}
+    by_dataset = {name: {int(k): v for k, v in per.items()}
+                  for name, per in (results.get("latencies_by_dataset_ms") or {}).items()}
     results.pop("predictions", None)
     results.pop("h100_prediction", None)
     if lats:
         try:
-            results["predictions"] = predictions(summary, methods, lats, settings)
+            results["predictions"] = predictions(summary, methods, lats, settings, by_dataset)
             results["h100_prediction"] = h100_predictions(summary, methods, settings)
         except Exception as err:  # the measurement itself is what matters
             results["prediction_error"] = f"{type(err).__name__}: {err}"

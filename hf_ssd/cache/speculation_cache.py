@@ -1,7 +1,8 @@
 """The outcome-keyed speculation cache: (row, accepted k, bonus token) -> the next speculation.
 
 Vocabulary (shared with the metrics and the fan-out estimator): looking an outcome up is a **hit** or a **miss**; a
-speculation's `source` is `CACHE` after a hit, else the name of the backup that drafted it (`BACKUP_SOURCES`).
+speculation's `source` is `CACHE` after a hit, else the name of the backup that drafted it (`BACKUP_SOURCES`), or
+`PLAIN` for the empty speculation of a plain target step while the draft is paused (no lookup).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 CACHE = "cache"
 BACKUP_SOURCES = ("draft", "ngram", "random")
-SOURCES = (CACHE, *BACKUP_SOURCES)
+PLAIN = "plain"
+SOURCES = (CACHE, *BACKUP_SOURCES, PLAIN)
 
 
 def lookup_kind(source: str) -> str:

@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache.draft_cache import DraftCache
-from ..cache.speculation_cache import Speculation, SpeculationCache, lookup_kind
+from ..cache.speculation_cache import PLAIN, Speculation, SpeculationCache, lookup_kind
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
 from ..metrics import PhaseTimer
@@ -56,10 +56,12 @@ SAMPLING_WARPERS = (
 
 @dataclass
 class Resolution:
-    """The speculation for a row's next round, and whether it was found in the cache (a hit)."""
+    """The speculation for a row's next round, and whether it was found in the cache (a hit); `looked_up` is
+    False after a plain step while the draft was paused (nothing to look up, the next speculation is empty)."""
 
     speculation: Speculation
     hit: bool
+    looked_up: bool = True
 
 
 @dataclass
@@ -137,6 +139,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.schedules = self.estimator.schedules()
         self.contexts: list[list[int]] = []  # per row: committed tokens, t_prev included (for the n-gram backup)
         self.glue_start = torch.zeros(0, dtype=torch.long, device=self.device)  # [b] logical position of t_prev
+        # [b, m]: tokens committed while the draft was paused (depth 0), not in the cache yet (they come before t_prev)
+        self.unglued = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.t_prev = torch.zeros(0, dtype=torch.long, device=self.device)  # [b]
         self.speculations: list[Speculation] = []  # the ones the target is verifying, one per row
         self.spec_cache: SpeculationCache | None = None
@@ -218,6 +222,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.contexts = [ids[r][valid[r]].tolist() for r in range(rows)]
         self.glue_start = positions[:, -1].clone()
         self.t_prev = ids[:, -1].clone()
+        self.unglued = ids.new_zeros(rows, 0)
         self.speculations = [None] * rows
         self._backup_speculations(list(range(rows)), "draft", self.lookahead, phase="prefill")
         return list(self.speculations)
@@ -284,6 +289,14 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         drafted = torch.stack([s.tokens for s in speculations]).to(self.device)
         k = drafted.shape[1]
         pre_glued = [s.row_top is not None for s in speculations]
+        if self.unglued.shape[1]:  # after a pause: the tokens committed meanwhile go first, in the same forward
+            caught_up = self.unglued.shape[1]
+            glue = torch.cat([self.unglued, self.t_prev[:, None], drafted], dim=1)
+            positions = self.glue_start[:, None] + torch.arange(-caught_up, k + 1, device=self.device)
+            logits = self.cache.forward(glue, positions, causal_visibility(self.cache.valid, glue.shape[1]),
+                                        logits_to_keep=k + 1, phase="glue")
+            self.unglued = self.unglued[:, :0]
+            return self._top(logits)
         if all(pre_glued):
             visible = causal_visibility(self.cache.valid, 1)
             logits = self.cache.forward(drafted[:, -1:], (self.glue_start + k)[:, None], visible, phase="glue")
@@ -306,6 +319,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         """Glue, fork and tree-decode every branch of every row for the outcomes of verifying the first `verified`
         tokens (default: all) of `speculations` (default: the ones `begin` / `resolve` handed out last, which is
         what the target verifies), each branch `depth` tokens deep (default K: the next speculations' length).
+        `depth` 0 pauses the draft: no forward at all, the next speculations are empty (the target takes plain
+        steps) and the tokens committed meanwhile are glued when a later `prepare` resumes.
 
         Outcomes are k = 0..verified accepted tokens plus a bonus: forks j < verified skip the drafted s_{j+1} (it
         would have been accepted), the last fork does not (s_{verified+1} was not verified). The tree's KV stays in
@@ -313,9 +328,12 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         """
         speculations = self.speculations if speculations is None else list(speculations)
         length = speculations[0].tokens.shape[0] if speculations else 0
+        depth = self.lookahead if depth is None else max(0, min(depth, self.lookahead))
         with self.clock("prepare"):
-            self._prepare(speculations, length if verified is None else verified,
-                          self.lookahead if depth is None else max(1, min(depth, self.lookahead)))
+            if depth == 0:  # paused: the target takes a plain step; nothing to glue or draft until resumed
+                self.speculations, self.spec_cache, self.fanout_in_use, self.depth = speculations, None, [], 0
+                return
+            self._prepare(speculations, length if verified is None else verified, depth)
 
     def _prepare(self, speculations: list[Speculation], verified: int, depth: int) -> None:
         started = time.perf_counter()
@@ -391,6 +409,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
     def _resolve(self, outcomes, verified, keep_rows, backup) -> list[Resolution]:
         rows = self.rows
         keep_rows = list(range(rows)) if keep_rows is None else list(keep_rows)
+        if self.depth == 0:
+            return self._resolve_paused(outcomes, keep_rows)
         accepted = torch.tensor([a for a, _ in outcomes], device=self.device)
         keep = self.cache.valid.clone()
         keep[:, self.main_len :] = False
@@ -416,6 +436,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
         self.glue_start = (self.glue_start + accepted + 1)[selected]
         self.t_prev = bonuses[selected]
+        self.unglued = self.unglued[selected]
         self.contexts = [self.contexts[r] for r in keep_rows]
         self.speculations = [found_by_row[r] for r in keep_rows]
         self.spec_cache = None
@@ -425,6 +446,27 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self._reseed(1)
         self._backup_speculations([i for i, s in enumerate(self.speculations) if s is None], backup, self.depth)
         return [Resolution(self.speculations[i], found_by_row[r] is not None) for i, r in enumerate(keep_rows)]
+
+    def _resolve_paused(self, outcomes, keep_rows) -> list[Resolution]:
+        """A plain step while paused: commit each row's one token; the cache keeps only what came before t_prev
+        (for every row alike: t_prev joins the tokens to glue on resuming, with the one just committed after it)."""
+        selected = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        keep = self.cache.valid & (self.cache.positions < self.glue_start[:, None])
+        with self.clock("compact"):
+            self.cache.keep(keep, None if len(keep_rows) == self.rows else selected, max_holes=self.lookahead)
+        bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
+        for r in keep_rows:
+            self.contexts[r].append(outcomes[r][1])
+        self.unglued = torch.cat([self.unglued, self.t_prev[:, None]], dim=1)[selected]
+        self.glue_start = (self.glue_start + 1)[selected]
+        self.t_prev = bonuses[selected]
+        self.contexts = [self.contexts[r] for r in keep_rows]
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
+        self.spec_cache = None
+        self._round += 1
+        self._reseed(1)
+        return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
 
     # --- transformers' CandidateGenerator interface (synchronous, batch 1) --------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):

@@ -89,9 +89,10 @@ def ssd_decoding(
             with phase("wait_resolve"):
                 resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup).result()
             for i, resolution in zip(keep, resolutions):
-                recorder.record_lookup(resolution.hit, verdict.accepted[i])
+                if resolution.looked_up:
+                    recorder.record_lookup(resolution.hit, verdict.accepted[i])
             policy.observe_round(target.forward_seconds, drafter.timings(), sum(r.hit for r in resolutions),
-                                 len(resolutions))
+                                 sum(r.looked_up for r in resolutions))
             batch.hand([resolution.speculation for resolution in resolutions])
         report = drafter.finish()  # stops a `prepare` still running for rows that have all finished
     metrics = _metrics(recorder, report, drafter, config, batch, backups, time.perf_counter() - start, policy)

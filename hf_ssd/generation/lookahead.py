@@ -25,9 +25,11 @@ import time
 
 import torch
 
-DECAY = 0.85  # per round: half the weight of a sample after ~4 rounds
+DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
 EXPLORE_WITHIN = 0.9
+PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
+PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -89,6 +91,9 @@ class LookaheadPolicy:
         self._round_start: float | None = None
         self._timings = None
         self._rounds = 0
+        self._plain_run = 0  # plain steps chosen in a row
+        self._last_free_sample: float | None = None
+        self._wanted = lookahead  # the best K over 0..K_max at the last decision
 
     # --- the cost model ----------------------------------------------------------------------------------------
     def verify_seconds(self, k: int) -> float | None:
@@ -127,30 +132,44 @@ class LookaheadPolicy:
         """K for this round, at most `limit` (what max_length leaves); starts the round's clock."""
         self._round_start = time.perf_counter()
         k = self._choose(min(limit, self.k_max))
+        self.trace[-1]["limit"] = limit
         return k
 
     def depth(self, k: int) -> int:
-        """How many tokens deep the draft prepares the next speculations: K_max, but 1 while the target takes plain
-        steps (enough for the free acceptance sample that tells when to speculate again; the draft's round shrinks
-        to two forwards, so it barely competes with the target for the machine)."""
-        depth = self.k_max if k > 0 or not self.adaptive else 1
+        """How many tokens deep the draft prepares the next speculations: K_max while speculating would pay (at any
+        K, had this round's speculation been long enough); otherwise 1 on the first plain steps (enough for the
+        free acceptance sample of a_1), then 0 — the draft pauses, so it does not compete with the target for the
+        machine (on a CPU its memory traffic slowed a plain step by ~20 %) — with a probe of depth 1 every
+        `PROBE_EVERY` rounds, and depth 1 again while the probes' tokens are accepted, which is how the policy
+        returns to speculation when the text becomes predictable."""
+        if k > 0 or not self.adaptive or self._wanted > 0:
+            depth, self._plain_run, self._last_free_sample = self.k_max, 0, None
+        else:
+            self._plain_run += 1
+            probing = self._plain_run % PROBE_EVERY == 0 or (self._last_free_sample or 0.0) >= 0.5
+            depth = 1 if self._plain_run <= PAUSE_AFTER or probing else 0
         if self.trace:
             self.trace[-1]["depth"] = depth
         return depth
 
     def _choose(self, limit: int) -> int:
-        if not self.adaptive or limit <= 0:
-            self._record(limit, None, "constant" if not self.adaptive else "limit")
-            return max(limit, 0)
+        """The best K within `limit`; `_wanted` keeps the best K over 0..K_max (what the next speculation should
+        allow, see `depth`)."""
+        if not self.adaptive:
+            self._record(limit, None, "constant")
+            return limit
         acceptance = self.acceptance.estimates()
         speeds = {}
-        for k in range(limit + 1):
+        for k in range(self.k_max + 1):
             seconds = self.round_seconds(k)
             if seconds is not None and seconds > 0:
                 speeds[k] = expected_tokens(acceptance, k) / seconds
         if not speeds:  # nothing measured yet (the first round): the configured K
+            self._wanted = self.k_max
             self._record(limit, None, "first round")
             return limit
+        self._wanted = max(speeds, key=speeds.get)
+        speeds = {k: v for k, v in speeds.items() if k <= limit}
         best = max(speeds, key=speeds.get)
         unmeasured = [k for k in speeds if k not in self.verify and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
         if unmeasured:
@@ -161,7 +180,8 @@ class LookaheadPolicy:
         return best
 
     def _record(self, k: int, speeds: dict | None, why: str) -> None:
-        entry = {"k": k, "why": why, "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
+        entry = {"k": k, "why": why, "wanted": self._wanted,
+                 "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
         if speeds:
             entry["tok_s"] = {n: round(v, 2) for n, v in speeds.items()}
             entry["verify_ms"] = {n: round(1e3 * (self.verify_seconds(n) or 0.0), 2) for n in speeds}
@@ -172,9 +192,12 @@ class LookaheadPolicy:
 
     # --- what a round measured ---------------------------------------------------------------------------------
     def observe_verification(self, rows, verdict) -> None:
-        """Acceptance samples from this round's verification (see the module docstring)."""
-        self.acceptance.decay()
+        """Acceptance samples from this round's verification (see the module docstring). A round without any
+        (a plain step while the draft is paused) leaves the estimates as they were."""
         n = verdict.verified
+        if n == 0 and all(row.speculation.tokens.shape[0] == 0 for row in rows):
+            return
+        self.acceptance.decay()
         probs = None
         for i, row in enumerate(rows):
             accepted = verdict.accepted[i]
@@ -189,12 +212,15 @@ class LookaheadPolicy:
             token = int(spec.tokens[n])
             scores = verdict.scores[i, n]
             if spec.probs is None:
-                self.acceptance.add(n, float(int(scores.argmax()) == token))
+                sample = float(int(scores.argmax()) == token)
             else:
                 if probs is None:
                     probs = verdict.scores[:, n].softmax(-1)
                 q = spec.probs[n].to(probs.device, torch.float32)
-                self.acceptance.add(n, float(torch.minimum(probs[i], q).sum()))
+                sample = float(torch.minimum(probs[i], q).sum())
+            self.acceptance.add(n, sample)
+            if n == 0:
+                self._last_free_sample = sample
 
     def observe_round(self, forward_seconds: float, timings, hits: int, lookups: int) -> None:
         """The round's target forward time, the draft's running `DraftTimings`, and the lookups it made."""

@@ -71,8 +71,10 @@ class TargetBatch:
             scores = process_rows(self.logits_processor, batch.rows, batch.active, tokens, raw)
         with phases("verify"):
             q = None
-            if generator is not None:
+            if generator is not None and verified:
                 q = torch.stack([row.speculation.probs[:verified] for row in batch.active]).to(scores.device)
+            elif generator is not None:  # a plain step: nothing drafted, the token is drawn from p
+                q = scores.new_zeros(scores.shape[0], 0, scores.shape[-1])
             accepted, bonus = accept(tokens, scores, q, generator)
             both = torch.stack([accepted, bonus]).tolist()  # the round's one host synchronisation
         return Verdict(verified, tokens, raw, scores, [int(a) for a in both[0]], [int(b) for b in both[1]])

@@ -150,7 +150,7 @@ class _Server:
         for i, (spec, hit) in enumerate(speculations):
             length = spec.tokens.shape[0]
             buffers.tokens[slot, i, :length] = spec.tokens
-            if buffers.probs is not None:
+            if buffers.probs is not None and length:
                 buffers.probs[slot, i, :length] = spec.probs
             buffers.meta[slot, i] = torch.tensor([wire.source_code(spec.source), int(hit), length])
 
