@@ -32,6 +32,7 @@ from hf_ssd.bench import (
     summarise,
     summarise_method,
 )
+from hf_ssd.bench.measure import SD_SCHEDULE
 from hf_ssd.cli import main
 
 TEXTS = ["w5 w7 w9 w11 w13", "w40 w2 w77 w31 w31 w8 w60 w19 w3", "w3 w4 w5"]
@@ -109,6 +110,16 @@ def test_methods_per_framing():
     methods, roles = build_methods(["ar", "ssd", "ssd-sync"], "equal-cores")
     assert [m.key for m in methods] == ["ar@2", "ssd@1+1", "ssd-sync@2"]
     assert reference_method(methods, target_threads=1) == "ar@2"
+    methods, roles = build_methods(["ar", "sd", "sd-default", "ssd"], "both", sd_lookaheads=[2, 1, 4])
+    assert [m.key for m in methods] == ["ar@1", "ar@2", "sd-k1@1", "sd-k2@1", "sd-k4@1", "sd-k1@2", "sd-k2@2",
+                                        "sd-k4@2", "sd-default@1", "sd-default@2", "ssd@1+1"]
+    assert roles["equal-cores"]["sd_fixed"] == ["sd-k2@2", "sd-k1@2", "sd-k4@2"]
+    assert roles["equal-cores"]["sd-default"] == "sd-default@2"
+    assert [m.lookahead for m in methods if m.kind == "sd" and m.threads == 1] == [1, 2, 4]
+    methods, roles = build_methods(["sd"], "extra-cores", sd_lookaheads=[3])
+    assert [(m.key, m.lookahead) for m in methods] == [("sd@1", 3)] and "sd_fixed" not in roles["extra-cores"]
+    with pytest.raises(ValueError, match="lookaheads"):
+        build_methods(["sd"], "both", sd_lookaheads=[0, 2])
     with pytest.raises(ValueError, match="unknown"):
         build_methods(["ar", "beam"], "both")
     with pytest.raises(ValueError, match="framing"):
@@ -205,6 +216,28 @@ def test_comparisons_and_markdown_table():
     assert "n/a (sampling)" in comparison_table({**results, "greedy": False}, "equal-cores")
 
 
+def test_comparison_takes_the_best_fixed_k_per_set_and_the_default_schedule():
+    methods, roles = build_methods(["ar", "sd", "sd-default", "ssd"], "equal-cores", sd_lookaheads=[1, 4])
+    records = [
+        _record("ar@2", new=11, e2e=6.0, first=1.0, dataset="a"),  # 2 tok/s
+        _record("sd-k1@2", new=11, e2e=5.0, first=1.0, dataset="a"),  # 2.5
+        _record("sd-k4@2", new=11, e2e=6.0, first=1.0, dataset="a"),  # 2
+        _record("sd-k1@2", new=11, e2e=6.0, first=1.0, dataset="b"),  # 2
+        _record("sd-k4@2", new=11, e2e=3.5, first=1.0, dataset="b"),  # 4
+        _record("sd-default@2", new=11, e2e=11.0, first=1.0, dataset="a"),  # 1
+        _record("ssd@1+1", new=11, e2e=3.0, first=1.0, dataset="a"),  # 5
+    ]
+    table = comparisons(summarise(records, methods, ["a", "b"]), roles)["equal-cores"]
+    assert table["a"]["sd_k"] == 1 and table["a"]["sd_tok_s"] == pytest.approx(2.5)
+    assert table["a"]["sd_tok_s_by_k"] == {1: pytest.approx(2.5), 4: pytest.approx(2.0)}
+    assert table["b"]["sd_k"] == 4 and table["b"]["sd_method"] == "sd-k4@2"
+    assert table["a"]["ssd_over_sd"] == pytest.approx(2.0) and table["a"]["ssd_over_sd_default"] == pytest.approx(5.0)
+    md = comparison_table({"comparisons": {"equal-cores": table}, "greedy": True}, "equal-cores").splitlines()
+    assert md[0].startswith("| dataset | AR tok/s | SD best fixed K tok/s (K) | SD default tok/s | SSD tok/s | SSD/SD "
+                            "| SSD/SD default | SSD/AR")
+    assert md[2].startswith("| a | 2.00 | 2.50 (1) | 1.00 | 5.00 | 2.00× | 5.00× | 2.50×")
+
+
 def test_critical_path_per_decode_round():
     """Milliseconds per decode round: the first round (prefills) left out, target phases adding up to the round,
     the draft's own Python = its tasks minus its model calls."""
@@ -238,7 +271,8 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
     tokenizer = word_tokenizer()
     prompt_sets = load_prompt_sets([str(jsonl)], limit=2)
     settings = BenchSettings(max_new_tokens=8, lookahead=3, budget=4, framing="extra-cores", latency_repeats=1,
-                             methods=("ar", "sd", "ssd"))
+                             methods=("ar", "sd", "sd-default", "ssd"), sd_lookaheads=(1, 3))
+    schedule = {name: getattr(draft.generation_config, name) for name in SD_SCHEDULE}
     out = tmp_path / "out"
     results = run_bench(target, draft, tokenizer, prompt_sets, settings, out, progress=False, log=lambda _: None,
                         info={"models": {"target": {"name": "tiny"}, "draft": {"name": "tiny-draft"}}})
@@ -255,9 +289,12 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
     for key in ("torch", "transformers", "hf_ssd", "cpu_model", "available_cores", "omp_wait_policy"):
         assert key in env
     assert isinstance(data["load_average"]["before"], list) and len(data["load_average"]["before"]) == 3
-    assert [m["key"] for m in data["methods"]] == ["ar@1", "sd@1", "ssd@1+1"]
-    assert data["methods"][2]["draft_threads"] == 1 and data["methods"][2]["target_threads"] == 1
-    assert len(data["runs"]) == 2 * 3
+    assert [m["key"] for m in data["methods"]] == ["ar@1", "sd-k1@1", "sd-k3@1", "sd-default@1", "ssd@1+1"]
+    assert data["methods"][4]["draft_threads"] == 1 and data["methods"][4]["target_threads"] == 1
+    assert len(data["runs"]) == 2 * 5
+    assert {name: getattr(draft.generation_config, name) for name in SD_SCHEDULE} == schedule  # SD's K restored
+    k1 = [r for r in data["runs"] if r["method"] == "sd-k1@1"]
+    assert all(max(r["round_sizes"][1:], default=1) <= 2 for r in k1)  # K = 1: at most 2 tokens per round
     for run in data["runs"]:
         assert run["new_tokens"] == 8 and isinstance(run["e2e_s"], float) and run["e2e_s"] > 0
         assert sum(run["round_sizes"]) == 8 and run["identical"] is True  # fp32 greedy: exact
@@ -277,7 +314,9 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
     assert set(data["latencies_by_dataset_ms"]) == {"tiny"}  # at the context the set decoded at
     assert data["predictions"][ALL]["prediction"]["adaptive_best_k"] in range(4)
     assert all(len(r["metrics"]["lookahead_per_round"]) == r["metrics"]["batch_rounds"] for r in ssd_runs)
-    assert [r["method"] for r in data["predictions"][ALL]["rows"]] == ["ar@1", "sd@1", "ssd@1+1"]
+    assert [r["method"] for r in data["predictions"][ALL]["rows"]] == ["ar@1", "sd-k3@1", "ssd@1+1"]  # SD at K
+    assert data["comparisons"]["extra-cores"][ALL]["sd_k"] in (1, 3)
+    assert data["comparisons"]["extra-cores"][ALL]["sd_default_tok_s"] > 0
     assert "PREDICTION" in data["h100_prediction"]["llama-70b"]["label"]
     md = (out / "results.md").read_text()
     assert "## extra-cores" in md and "| **all** |" in md and "H100 (PREDICTION" in md

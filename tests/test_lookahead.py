@@ -49,10 +49,10 @@ def _row(length: int):
 
 
 def _drive(policy, rounds: int, accept_all: bool, verify_ms=lambda k: 10.0 * (1 + 0.5 * k), draft_ms=5.0,
-           clock=None):
+           clock=None, contention_ms=0.0):
     """Run `rounds` synthetic rounds: the draft's tokens are [1, 2, ...] (as many as the previous round prepared);
     each verified one is accepted when `accept_all`, none otherwise; times come from `verify_ms(K)` and a draft
-    round of `draft_ms` (none while paused)."""
+    round of `draft_ms` (none while paused); a verification while the draft works takes `contention_ms` more."""
     timings = DraftTimings()
     depth = policy._depth_for_tests if hasattr(policy, "_depth_for_tests") else policy.k_max
     for _ in range(rounds):
@@ -63,8 +63,9 @@ def _drive(policy, rounds: int, accept_all: bool, verify_ms=lambda k: 10.0 * (1 
         new_depth = policy.depth(k)
         drafted = draft_ms if depth else 0.0
         timings = DraftTimings(timings.prepare_calls + int(depth > 0), timings.prepare_seconds + drafted / 1e3)
-        clock[0] += max(verify_ms(k), drafted) / 1e3
-        policy.observe_round(verify_ms(k) / 1e3, timings, hits=1, lookups=1)
+        verify = verify_ms(k) + (contention_ms if new_depth else 0.0)
+        clock[0] += max(verify, drafted) / 1e3
+        policy.observe_round(verify / 1e3, timings, hits=1, lookups=1)
         depth = policy._depth_for_tests = new_depth
     return [entry["k"] for entry in policy.trace]
 
@@ -143,6 +144,34 @@ def test_a_plain_step_is_tried_when_it_might_win(clock):
     policy.acceptance.reached = [10.0] * 5
     policy.acceptance.passed = [3.0] * 5
     assert policy.choose(4) == 0 and policy.trace[-1]["why"] in {"explore", "best"}
+
+
+def test_a_plain_step_is_timed_only_while_the_draft_is_paused(clock):
+    """Plain steps while the draft still works (one token deep, slowed by its memory traffic) are not what
+    choosing plain decoding costs for long: only paused steps time K = 0, so a useless draft ends paused."""
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    ks = _drive(policy, 40, accept_all=False, verify_ms=lambda k: 10.0 if k == 0 else 21.0, clock=clock,
+                contention_ms=6.0)
+    assert policy.verify[0].value == pytest.approx(0.010)  # never the 16 ms of a step beside the draft
+    assert ks[-10:] == [0] * 10
+    depths = [entry["depth"] for entry in policy.trace]
+    assert depths[-10:].count(0) >= 8  # paused, but for the probes
+
+
+def test_speculation_must_beat_plain_steps_by_a_margin(clock):
+    """Near a tie plain decoding wins: the estimates are noisy and a wrong switch costs a round at twice a plain
+    step's price."""
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.5, concurrent=True, device_type="cpu")
+    _measured(policy, {0: 0.010, 1: 0.02, 2: 0.02, 3: 0.02})
+    policy._rounds = 3
+    policy.acceptance.reached = [100.0] * 4
+    policy.acceptance.passed = [75.0, 40.0, 10.0, 1.0]  # E(3) = 1 + .75 + .3 + .03 = 2.08: 1.04x plain's speed
+    speeds = {k: lookahead_module.expected_tokens(policy.acceptance.estimates(), k) / policy.round_seconds(k)
+              for k in range(4)}
+    assert 1.0 < max(speeds.values()) / speeds[0] < lookahead_module.SPECULATE_MARGIN
+    assert policy.choose(3) == 0 and policy.trace[-1]["why"] == "best"
+    policy.acceptance.passed = [95.0, 85.0, 80.0, 1.0]  # now clearly worth it
+    assert policy.choose(3) == 3
 
 
 def test_constant_schedule_always_verifies_k_max(clock):

@@ -230,15 +230,22 @@ def summarise(records: Sequence[RunRecord], methods: Sequence[MethodSpec], datas
     return summary
 
 
-def comparisons(summary: Mapping[str, Mapping[str, Any]], roles: Mapping[str, Mapping[str, str]]) -> dict:
-    """Per framing and dataset: AR / SD / SSD decode tok/s, their ratios, exactness, hit rate, accepted lengths."""
+def comparisons(summary: Mapping[str, Mapping[str, Any]], roles: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Per framing and dataset: AR / SD / SD-default / SSD decode tok/s, their ratios, exactness, hit rate,
+    accepted lengths. Where SD ran at several fixed K (role ``sd_fixed``), "sd" is the best of them on that set
+    (``sd_k`` says which)."""
     out: dict[str, dict[str, Any]] = {}
     for framing, role in roles.items():
         out[framing] = {}
         for dataset, by_method in summary.items():
             row: dict[str, Any] = {f"{k}_method": v for k, v in role.items()}
+            sweep = [k for k in role.get("sd_fixed") or [] if (by_method.get(k) or {}).get("decode_tok_s")]
+            if sweep:
+                best = max(sweep, key=lambda k: by_method[k]["decode_tok_s"])
+                row["sd_method"], row["sd_k"] = best, _sd_k(best)
+                row["sd_tok_s_by_k"] = {_sd_k(k): by_method[k]["decode_tok_s"] for k in sweep}
             for kind in METHOD_KINDS:
-                key = role.get(kind)
+                key = row.get("sd_method") if kind == "sd" else role.get(kind)
                 s = by_method.get(key) if key else None
                 name = kind.replace("-", "_")
                 row[f"{name}_tok_s"] = s["decode_tok_s"] if s else None
@@ -254,7 +261,15 @@ def comparisons(summary: Mapping[str, Mapping[str, Any]], roles: Mapping[str, Ma
             row["ssd_over_sd"] = _ratio(ssd, sd) if ssd and sd else None
             row["ssd_over_ar"] = _ratio(ssd, ar) if ssd and ar else None
             row["sd_over_ar"] = _ratio(sd, ar) if sd and ar else None
+            sd_default = row.get("sd_default_tok_s")
+            row["ssd_over_sd_default"] = _ratio(ssd, sd_default) if ssd and sd_default else None
             out[framing][dataset] = row
     return out
+
+
+def _sd_k(key: str) -> int | None:
+    """The fixed K of an SD method key ``sd-k<K>@<threads>``."""
+    head = key.split("@")[0]
+    return int(head[4:]) if head.startswith("sd-k") else None
 
 

@@ -50,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling, seed per prompt")
     parser.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--methods", default="ar,sd,ssd", help=f"comma-separated: {', '.join(METHOD_KINDS)}")
+    parser.add_argument("--methods", default="ar,sd,ssd", help=f"comma-separated: {', '.join(METHOD_KINDS)} "
+                        "(sd: transformers' assisted generation at a fixed K; sd-default: at its default schedule)")
+    parser.add_argument("--sd-lookaheads", metavar="K1,K2,...",
+                        help="run SD at each fixed K and compare SSD with the best per prompt set (default: -K)")
     parser.add_argument("--framing", default="both", choices=[*FRAMINGS, "both"],
                         help="extra-cores: AR/SD on the SSD target's threads; equal-cores: on draft + target threads")
     parser.add_argument("--executor", default="auto", choices=["auto", "thread", "process"],
@@ -188,15 +191,20 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     if args.batch_sizes:
         return run_sweep(args)
+    try:
+        sd_lookaheads = tuple(int(k) for k in (args.sd_lookaheads or "").split(",") if k.strip())
+    except ValueError:
+        raise SystemExit(f"--sd-lookaheads takes comma-separated integers >= 1, got {args.sd_lookaheads!r}") from None
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens, lookahead=args.lookahead, budget=args.budget,
         temperature=args.temperature, repeats=args.repeats,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), framing=args.framing,
         draft_threads=args.draft_threads, target_threads=args.target_threads, seed=args.seed, fanout=args.fanout,
         backup=args.backup, latencies=not args.no_latencies, overlap_efficiency=args.overlap_efficiency,
-        executor=args.executor, lookahead_schedule=args.lookahead_schedule,
+        executor=args.executor, lookahead_schedule=args.lookahead_schedule, sd_lookaheads=sd_lookaheads,
     )
-    build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads)  # validate
+    build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads,
+                  settings.sd_lookaheads)  # validate
     prompt_sets = load_prompt_sets(args.prompts, args.limit, args.prompts_dir)
     out = Path(args.out) if args.out else Path("bench-results") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     print(f"# prompts: {', '.join(f'{s.name} ({len(s.prompts)})' for s in prompt_sets)}; output {out}",

@@ -10,7 +10,7 @@ DATASETS = ("mt_bench", "gsm8k", "alpaca", "humaneval")
 HUMANEVAL_PACKAGE = "humaneval-pkg"
 # The EAGLE HumanEval subset (shared/data/prompts/humaneval.jsonl) words its prompts like this.
 HUMANEVAL_INSTRUCTION = "Complete the code I provided.\n"
-METHOD_KINDS = ("ar", "sd", "ssd", "ssd-sync")
+METHOD_KINDS = ("ar", "sd", "sd-default", "ssd", "ssd-sync")
 FRAMINGS = ("extra-cores", "equal-cores")
 ALL = "all"
 DECODE_TIMING = (

@@ -22,6 +22,7 @@ class MethodSpec:
     threads: int
     draft_threads: int = 0
     target_threads: int = 0
+    lookahead: int = 0  # SD's fixed K (0: the bench's K)
 
     @property
     def executor(self) -> str:
@@ -35,12 +36,15 @@ class MethodSpec:
 
 
 def build_methods(
-    kinds: Iterable[str], framing: str, draft_threads: int = 1, target_threads: int = 1
-) -> tuple[list[MethodSpec], dict[str, dict[str, str]]]:
-    """The methods to run and, per framing, which method key plays AR / SD / SSD (/ SSD-sync).
+    kinds: Iterable[str], framing: str, draft_threads: int = 1, target_threads: int = 1,
+    sd_lookaheads: Sequence[int] = (),
+) -> tuple[list[MethodSpec], dict[str, dict[str, Any]]]:
+    """The methods to run and, per framing, which method key plays AR / SD / SD-default / SSD (/ SSD-sync).
 
     ``extra-cores``: AR, SD and SSD-sync get the SSD target's thread count; ``equal-cores``: the SSD total
-    (draft + target). ``both`` measures each distinct thread count once.
+    (draft + target). ``both`` measures each distinct thread count once. With several `sd_lookaheads`, SD runs
+    at each fixed K (keys ``sd-k<K>@<threads>``, listed under the role ``sd_fixed``); the comparison takes the
+    best of them per prompt set.
     """
     kinds = list(dict.fromkeys(kinds))
     unknown = [k for k in kinds if k not in METHOD_KINDS]
@@ -48,11 +52,14 @@ def build_methods(
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHOD_KINDS)}")
     if draft_threads < 1 or target_threads < 1:
         raise ValueError("draft and target threads must be >= 1")
+    sd_lookaheads = list(dict.fromkeys(sd_lookaheads))
+    if any(k < 1 for k in sd_lookaheads):
+        raise ValueError(f"SD lookaheads must be >= 1, got {sd_lookaheads}")
     framings = list(FRAMINGS) if framing == "both" else [framing]
     if any(f not in FRAMINGS for f in framings):
         raise ValueError(f"framing must be one of {', '.join(FRAMINGS)} or both, got {framing!r}")
     methods: dict[str, MethodSpec] = {}
-    roles: dict[str, dict[str, str]] = {}
+    roles: dict[str, dict[str, Any]] = {}
     total = draft_threads + target_threads
     for name in framings:
         baseline = target_threads if name == "extra-cores" else total
@@ -62,12 +69,20 @@ def build_methods(
                 continue
             if kind == "ssd":
                 spec = MethodSpec(f"ssd@{draft_threads}+{target_threads}", kind, total, draft_threads, target_threads)
+            elif kind == "sd" and len(sd_lookaheads) > 1:
+                sweep = [MethodSpec(f"sd-k{k}@{baseline}", kind, baseline, lookahead=k) for k in sd_lookaheads]
+                for spec in sweep:
+                    methods.setdefault(spec.key, spec)
+                roles[name]["sd_fixed"] = [spec.key for spec in sweep]
+                roles[name][kind] = sweep[0].key
+                continue
             else:
-                spec = MethodSpec(f"{kind}@{baseline}", kind, baseline)
+                k = sd_lookaheads[0] if kind == "sd" and sd_lookaheads else 0
+                spec = MethodSpec(f"{kind}@{baseline}", kind, baseline, lookahead=k)
             methods.setdefault(spec.key, spec)
             roles[name][kind] = spec.key
     order = {k: i for i, k in enumerate(METHOD_KINDS)}
-    ordered = sorted(methods.values(), key=lambda m: (order[m.kind], m.threads))
+    ordered = sorted(methods.values(), key=lambda m: (order[m.kind], m.threads, m.lookahead))
     return ordered, roles
 
 
@@ -80,6 +95,9 @@ def reference_method(methods: Sequence[MethodSpec], target_threads: int) -> str 
 
 
 # --- one generate() call -----------------------------------------------------------------------------------------
+
+# The draft generation-config fields the SD method sets for a call (and restores after it).
+SD_SCHEDULE = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 class RoundRecorder:
@@ -162,6 +180,7 @@ class BenchSettings:
     temperature: float = 0.0
     repeats: int = 1
     methods: tuple[str, ...] = ("ar", "sd", "ssd")
+    sd_lookaheads: tuple[int, ...] = ()  # SD's fixed K values (the comparison takes the best); () = (lookahead,)
     framing: str = "both"
     draft_threads: int = 1
     target_threads: int = 1
@@ -182,6 +201,7 @@ class BenchSettings:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         self.methods = tuple(self.methods)
+        self.sd_lookaheads = tuple(self.sd_lookaheads)
         self.h100_settings = tuple(self.h100_settings)
 
     @property
@@ -248,11 +268,14 @@ def generate_once(target, draft, input_ids, spec: MethodSpec, settings: BenchSet
     kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=not settings.greedy)
     if not settings.greedy:
         kwargs["temperature"] = settings.temperature
+    config = draft.generation_config
+    saved_schedule = {name: getattr(config, name, None) for name in SD_SCHEDULE}
     if spec.kind == "sd":
-        config = draft.generation_config
-        config.num_assistant_tokens = settings.lookahead
+        config.num_assistant_tokens = spec.lookahead or settings.lookahead
         config.num_assistant_tokens_schedule = "constant"
         config.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = draft
+    elif spec.kind == "sd-default":  # whatever transformers (and the draft's generation config) decide
         kwargs["assistant_model"] = draft
     elif spec.kind in ("ssd", "ssd-sync"):
         kwargs.update(assistant_model=draft, ssd_config=settings.ssd_config(spec))
@@ -268,6 +291,8 @@ def generate_once(target, draft, input_ids, spec: MethodSpec, settings: BenchSet
             seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(saved)
+        for name, value in saved_schedule.items():
+            setattr(config, name, value)
     recorder.times = [t - start for t in recorder.times]
     timing = forward_timing(target_timer.spans, draft_timer.spans if draft is not target else [], start)
     metrics = None

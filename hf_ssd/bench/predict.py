@@ -163,7 +163,8 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
             else:
                 pred = predict(lat, stats, settings.lookahead, settings.budget, backup, label=label)
             for m in methods:
-                if m.kind in ("ar", "sd") and m.threads == threads:
+                at_k = m.kind == "sd" and m.lookahead in (0, settings.lookahead)  # the K the model predicts
+                if (m.kind == "ar" or at_k) and m.threads == threads:
                     got = by_method[m.key]["decode_tok_s"]
                     want = pred[f"{m.kind}_tok_s"]
                     row = {"method": m.key, "predicted_tok_s": want, "measured_tok_s": got,

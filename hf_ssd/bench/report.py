@@ -27,15 +27,21 @@ def comparison_table(results: Mapping[str, Any], framing: str) -> str:
     greedy = results.get("greedy", True)
     any_row = next(iter(rows.values()))
     has_sync = any_row.get("ssd-sync_method") is not None
-    head = ["dataset", "AR tok/s", "SD tok/s", "SSD tok/s", "SSD/SD", "SSD/AR", "SD/AR",
-            "identical SD / SSD", "SSD hit rate", "acc. len SD / SSD", "SSD target wait"]
+    has_default = any_row.get("sd-default_method") is not None
+    swept = "sd_k" in any_row
+    head = ["dataset", "AR tok/s", "SD best fixed K tok/s (K)" if swept else "SD tok/s", "SSD tok/s", "SSD/SD",
+            "SSD/AR", "SD/AR", "identical SD / SSD", "SSD hit rate", "acc. len SD / SSD", "SSD target wait"]
     if has_sync:
         head.insert(4, "SSD-sync tok/s")
+    if has_default:
+        head[3:3] = ["SD default tok/s"]
+        head.insert(head.index("SSD/AR"), "SSD/SD default")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for dataset, row in rows.items():
         same = (f"{_pct(row.get('sd_identical'))} / {_pct(row.get('ssd_identical'))}" if greedy
                 else "n/a (sampling)")
-        cells = [f"**{dataset}**" if dataset == ALL else dataset, _fmt(row.get("ar_tok_s")), _fmt(row.get("sd_tok_s")),
+        sd = _fmt(row.get("sd_tok_s")) + (f" ({row['sd_k']})" if row.get("sd_k") else "")
+        cells = [f"**{dataset}**" if dataset == ALL else dataset, _fmt(row.get("ar_tok_s")), sd,
                  _fmt(row.get("ssd_tok_s")), _fmt(row.get("ssd_over_sd"), ".2f") + "×" * bool(row.get("ssd_over_sd")),
                  _fmt(row.get("ssd_over_ar")) + "×" * bool(row.get("ssd_over_ar")),
                  _fmt(row.get("sd_over_ar")) + "×" * bool(row.get("sd_over_ar")), same,
@@ -44,7 +50,10 @@ def comparison_table(results: Mapping[str, Any], framing: str) -> str:
                  _pct(row.get("ssd_target_wait_share"))]
         if has_sync:
             cells.insert(4, _fmt(row.get("ssd_sync_tok_s")))
-        lines.append("| " + " | ".join(cells) + " |")
+        if has_default:
+            cells[3:3] = [_fmt(row.get("sd_default_tok_s"))]
+            cells.insert(head.index("SSD/AR"), _fmt(row.get("ssd_over_sd_default")) + "×" * bool(
+                row.get("ssd_over_sd_default")))("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -91,7 +91,7 @@ def run_bench(
     log = log or (lambda text: tqdm.write(text, file=sys.stderr))
     target = enable_ssd(target)
     methods, roles = build_methods(settings.methods, settings.framing, settings.draft_threads,
-                                   settings.target_threads)
+                                   settings.target_threads, settings.sd_lookaheads)
     reference = reference_method(methods, settings.target_threads)
     started = time.time()
     load_before = os.getloadavg()
@@ -186,7 +186,8 @@ def run_bench(
     }
     if settings.latencies:
         try:
-            needed = sorted({m.threads for m in methods if m.kind in ("ar", "sd")} | {settings.target_threads})
+            baselines = {m.threads for m in methods if m.kind in ("ar", "sd", "sd-default")}
+            needed = sorted(baselines | {settings.target_threads})
             verify_ks = (list(range(1, settings.lookahead + 1)) if settings.lookahead_schedule == "adaptive"
                          else [settings.lookahead])
 
@@ -239,9 +240,9 @@ def recompute(results: dict[str, Any]) -> dict[str, Any]:
     (in place; also re-derives an old results.json with the current harness)."""
     known = set(BenchSettings.__dataclass_fields__)
     settings = BenchSettings(**{k: v for k, v in results["settings"].items() if k in known})
-    methods = [MethodSpec(m["key"], m["kind"], m["threads"], m.get("draft_threads", 0), m.get("target_threads", 0))
-               for m in results["methods"]]
-    roles = {name: {k: v for k, v in framing.items() if k in METHOD_KINDS}
+    methods = [MethodSpec(m["key"], m["kind"], m["threads"], m.get("draft_threads", 0), m.get("target_threads", 0),
+                          m.get("lookahead", 0)) for m in results["methods"]]
+    roles = {name: {k: v for k, v in framing.items() if k in METHOD_KINDS or k == "sd_fixed"}
              for name, framing in results["framings"].items()}
     records = [RunRecord(**{k: r.get(k) for k in _RUN_FIELDS}) for r in results["runs"]]
     summary = summarise(records, methods, list(results["datasets"]))

@@ -10,13 +10,17 @@ round time, from what this run has measured:
   target's distribution there is known: it drew the bonus from it), so a K = 0 round still measures a_1, which is
   how the policy returns to speculation when the text becomes predictable.
 * R(K) = the round's time: the target's verification over K+1 positions, T_v(K), measured online per K at the
-  current context (an unmeasured K is scaled from the measured ones, T_v ∝ 1 + βK, β fitted once two K are
-  measured), next to the draft's round T_d (they overlap unless the draft runs inline), plus the loop's measured
-  overhead and, on a miss, the backup's time.
+  current context (recent rounds weigh most); an unmeasured K >= 1 lies on the line through the two nearest
+  measured ones, or is scaled from one by the prior shape `shape` (on a CPU one position is a matrix-vector
+  product and several a matrix product: a jump of 2x, then +0.1 per position; on a GPU 1.02x + 0.02), and the
+  plain step (K = 0) is scaled the same way until it is measured itself; next to it the draft's round T_d (they
+  overlap unless the draft runs inline), the loop's measured overhead and, on a miss, the backup's time.
 
 An unmeasured K whose predicted speed comes within 10 % of the best is tried once, so that the cost curve is
-learnt where it matters. While it takes plain steps the draft prepares speculations one token deep (`depth`).
-`lookahead_schedule="constant"` verifies K_max every round.
+learnt where it matters. `depth` says how deep the draft prepares the next speculations: K_max while speculating
+pays; on plain steps one token deep twice (the free sample of a_1), then not at all — the draft pauses, since on a
+CPU its memory traffic slows the target's plain step — with a one-token probe every `PROBE_EVERY` rounds, kept up
+while probes are accepted. `lookahead_schedule="constant"` verifies K_max every round.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
 EXPLORE_WITHIN = 0.9
 PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
 PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds
+# Speculation must promise this much more than plain steps before it is chosen over them: the estimates are noisy
+# and a wrong switch costs a round at about twice a plain step's price, so near a tie plain decoding wins.
+SPECULATE_MARGIN = 1.05
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -72,6 +79,14 @@ class AcceptanceTracker:
         return [(p + self.prior * w) / (r + w) for p, r in zip(self.passed, self.reached)]
 
 
+def _best(speeds: dict[int, float]) -> int:
+    """The fastest K, but a plain step (K = 0) unless speculation beats it by `SPECULATE_MARGIN`."""
+    best = max(speeds, key=speeds.get)
+    if best > 0 and 0 in speeds and speeds[best] < SPECULATE_MARGIN * speeds[0]:
+        return 0
+    return best
+
+
 class LookaheadPolicy:
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
@@ -108,7 +123,9 @@ class LookaheadPolicy:
             n0, t0 = min(several, key=lambda p: abs(p[0] - k))
             n1, t1 = min((p for p in several if p[0] != n0), key=lambda p: abs(p[0] - k))
             return max(t0 + (t1 - t0) * (k - n0) / (n1 - n0), 0.0)
-        same_regime = several if k >= 1 and several else measured
+        if k == 0:  # the plain step, until measured while paused: the most optimistic of the scaled ones
+            return min(t * self.shape(0) / self.shape(n) for n, t in measured)
+        same_regime = several or measured
         n, t = min(same_regime, key=lambda p: abs(p[0] - k))
         return t * self.shape(k) / self.shape(n)
 
@@ -168,9 +185,9 @@ class LookaheadPolicy:
             self._wanted = self.k_max
             self._record(limit, None, "first round")
             return limit
-        self._wanted = max(speeds, key=speeds.get)
+        self._wanted = _best(speeds)
         speeds = {k: v for k, v in speeds.items() if k <= limit}
-        best = max(speeds, key=speeds.get)
+        best = _best(speeds)
         unmeasured = [k for k in speeds if k not in self.verify and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
         if unmeasured:
             choice = max(unmeasured, key=speeds.get)
@@ -231,7 +248,9 @@ class LookaheadPolicy:
         previous, self._timings = self._timings, timings
         if first:  # the first verification holds the target's prefill
             return
-        self.verify.setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
+        paused = self.trace[-1].get("depth", self.k_max) == 0 if self.trace else False
+        if k > 0 or paused:  # a plain step is timed while the draft is paused: what choosing it costs for long
+            self.verify.setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
         backup_now = 0.0
         if previous is not None:
             calls = timings.prepare_calls - previous.prepare_calls
