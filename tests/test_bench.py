@@ -229,7 +229,7 @@ def test_comparison_takes_the_best_fixed_k_per_set_and_the_default_schedule():
     ]
     table = comparisons(summarise(records, methods, ["a", "b"]), roles)["equal-cores"]
     assert table["a"]["sd_k"] == 1 and table["a"]["sd_tok_s"] == pytest.approx(2.5)
-    assert table["a"]["sd_tok_s_by_k"] == {1: pytest.approx(2.5), 4: pytest.approx(2.0)}
+    assert table["a"]["sd_tok_s_by_k"] == {"1": pytest.approx(2.5), "4": pytest.approx(2.0)}
     assert table["b"]["sd_k"] == 4 and table["b"]["sd_method"] == "sd-k4@2"
     assert table["a"]["ssd_over_sd"] == pytest.approx(2.0) and table["a"]["ssd_over_sd_default"] == pytest.approx(5.0)
     md = comparison_table({"comparisons": {"equal-cores": table}, "greedy": True}, "equal-cores").splitlines()

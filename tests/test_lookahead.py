@@ -118,21 +118,25 @@ def _measured(policy, times: dict[int, float]) -> None:
 
 
 def test_cost_curve_from_what_was_measured(clock):
-    """Several positions are interpolated along a line through the measured ones; a plain step (K = 0), whose
-    cost on a CPU is of another kind (one position: a matrix-vector product), is scaled by the prior shape until
-    it is measured itself."""
+    """Several positions are interpolated along a line through the measured ones, never assumed cheaper below the
+    smallest measured; a plain step (K = 0), whose cost on a CPU is of another kind (one position: a
+    matrix-vector product), is scaled by the prior shape until it is measured itself."""
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
-    _measured(policy, {4: 0.030})
-    assert policy.verify_seconds(0) == pytest.approx(0.030 / (2.0 + 0.1 * 3))
-    assert policy.verify_seconds(2) == pytest.approx(0.030 * 2.1 / 2.3)
+    _measured(policy, {3: 0.030})
+    assert policy.verify_seconds(0) == pytest.approx(0.030 / (2.0 + 0.1 * 2))
+    assert policy.verify_seconds(1) == policy.verify_seconds(2) == pytest.approx(0.030)  # not assumed cheaper
+    assert policy.verify_seconds(4) == pytest.approx(0.030 * 2.3 / 2.2)  # above: the prior shape
     _measured(policy, {1: 0.026})
-    assert policy.verify_seconds(2) == pytest.approx(0.026 + 0.004 / 3)  # on the line through K = 1 and K = 4
+    assert policy.verify_seconds(2) == pytest.approx(0.028)  # on the line through K = 1 and K = 3
+    assert policy.verify_seconds(4) == pytest.approx(0.032)  # and beyond it
     assert policy.verify_seconds(0) == pytest.approx(0.026 / 2.0)
     _measured(policy, {0: 0.012})
-    assert policy.verify_seconds(0) == pytest.approx(0.012) and policy.verify_seconds(4) == pytest.approx(0.030)
+    assert policy.verify_seconds(0) == pytest.approx(0.012) and policy.verify_seconds(3) == pytest.approx(0.030)
     gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cuda")
     _measured(gpu, {4: 0.030})
     assert gpu.verify_seconds(0) == pytest.approx(0.030 / (1.02 + 0.02 * 3))
+    _measured(gpu, {2: 0.050})  # a non-monotone curve (3 positions slower than 5, as oneDNN does): kept as measured
+    assert gpu.verify_seconds(3) == pytest.approx(0.040) and gpu.verify_seconds(1) == pytest.approx(0.050)
 
 
 def test_a_plain_step_is_tried_when_it_might_win(clock):

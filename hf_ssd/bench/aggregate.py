@@ -243,7 +243,7 @@ def comparisons(summary: Mapping[str, Mapping[str, Any]], roles: Mapping[str, Ma
             if sweep:
                 best = max(sweep, key=lambda k: by_method[k]["decode_tok_s"])
                 row["sd_method"], row["sd_k"] = best, _sd_k(best)
-                row["sd_tok_s_by_k"] = {_sd_k(k): by_method[k]["decode_tok_s"] for k in sweep}
+                row["sd_tok_s_by_k"] = {str(_sd_k(k)): by_method[k]["decode_tok_s"] for k in sweep}
             for kind in METHOD_KINDS:
                 key = row.get("sd_method") if kind == "sd" else role.get(kind)
                 s = by_method.get(key) if key else None

@@ -52,8 +52,9 @@ def comparison_table(results: Mapping[str, Any], framing: str) -> str:
             cells.insert(4, _fmt(row.get("ssd_sync_tok_s")))
         if has_default:
             cells[3:3] = [_fmt(row.get("sd_default_tok_s"))]
-            cells.insert(head.index("SSD/AR"), _fmt(row.get("ssd_over_sd_default")) + "×" * bool(
-                row.get("ssd_over_sd_default")))("| " + " | ".join(cells) + " |")
+            cells.insert(head.index("SSD/SD default"), _fmt(row.get("ssd_over_sd_default")) + "×" * bool(
+                row.get("ssd_over_sd_default")))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -112,21 +112,34 @@ class LookaheadPolicy:
 
     # --- the cost model ----------------------------------------------------------------------------------------
     def verify_seconds(self, k: int) -> float | None:
-        """T_v(k): measured, else from the measured ones and the cost curve's shape (see `shape`)."""
-        measured = sorted((n, e.value) for n, e in self.verify.items())
+        """T_v(k): measured, else from the measured ones and the cost curve's shape (see `shape`).
+
+        Between two measured K: on the line through them. Below the smallest measured K >= 1: as much as it (fewer
+        positions are not assumed cheaper until measured: on CPUs the curve is not even monotone, e.g. 3
+        positions slower than 5 with oneDNN). Above the largest: the line through the two largest, or the prior
+        shape from one. The plain step (K = 0), until measured while the draft is paused: the most optimistic of
+        the measured ones scaled by the prior shape, so that it gets tried."""
+        measured = dict((n, e.value) for n, e in self.verify.items())
         if not measured:
             return None
-        if k in dict(measured):
-            return dict(measured)[k]
-        several = [(n, t) for n, t in measured if n >= 1]  # verifications of several positions
-        if k >= 1 and len(several) >= 2:  # the line through the two nearest measured ones
-            n0, t0 = min(several, key=lambda p: abs(p[0] - k))
-            n1, t1 = min((p for p in several if p[0] != n0), key=lambda p: abs(p[0] - k))
-            return max(t0 + (t1 - t0) * (k - n0) / (n1 - n0), 0.0)
-        if k == 0:  # the plain step, until measured while paused: the most optimistic of the scaled ones
-            return min(t * self.shape(0) / self.shape(n) for n, t in measured)
-        same_regime = several or measured
-        n, t = min(same_regime, key=lambda p: abs(p[0] - k))
+        if k in measured:
+            return measured[k]
+        if k == 0:
+            return min(t * self.shape(0) / self.shape(n) for n, t in measured.items())
+        several = sorted((n, t) for n, t in measured.items() if n >= 1)  # verifications of several positions
+        if not several:
+            return measured[0] * self.shape(k)
+        below = [(n, t) for n, t in several if n < k]
+        above = [(n, t) for n, t in several if n > k]
+        if below and above:
+            (n0, t0), (n1, t1) = below[-1], above[0]
+            return t0 + (t1 - t0) * (k - n0) / (n1 - n0)
+        if above:
+            return above[0][1]
+        if len(below) >= 2:
+            (n0, t0), (n1, t1) = below[-2], below[-1]
+            return max(t1 + (t1 - t0) * (k - n1) / (n1 - n0), t1)
+        n, t = below[-1]
         return t * self.shape(k) / self.shape(n)
 
     def shape(self, k: int) -> float:
@@ -136,9 +149,13 @@ class LookaheadPolicy:
         return 1.0 if k == 0 else self.jump + self.slope * (k - 1)
 
     def round_seconds(self, k: int) -> float | None:
+        """R(k): the verification, beside (or after) the draft's round, the loop's overhead and the expected backup
+        time of a miss; a plain step has neither draft work nor lookups (the draft pauses when plain steps win)."""
         verify = self.verify_seconds(k)
         if verify is None:
             return None
+        if k == 0:
+            return verify + max(self.overhead.value or 0.0, 0.0)
         draft = self.draft.value or 0.0
         body = max(verify, draft) if self.concurrent else verify + draft
         miss = (1 - (self.hit_rate.value if self.hit_rate.value is not None else 1.0)) * (self.backup.value or 0.0)
@@ -263,7 +280,7 @@ class LookaheadPolicy:
         if lookups:
             self.hit_rate.add(hits / lookups)
         if wall is not None:
-            draft = self.draft.value or 0.0
+            draft = 0.0 if paused else self.draft.value or 0.0
             body = max(forward_seconds, draft) if self.concurrent else forward_seconds + draft
             self.overhead.add(wall - body - backup_now)
 
