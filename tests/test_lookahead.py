@@ -150,6 +150,28 @@ def test_a_plain_step_is_tried_when_it_might_win(clock):
     assert policy.choose(4) == 0 and policy.trace[-1]["why"] in {"explore", "best"}
 
 
+def test_after_a_rejected_first_round_the_prior_shape_decides(clock):
+    """The first round's verification holds the prefill, so nothing is timed before the second: its K comes from
+    the acceptance seen and the prior cost shape. A useless draft on a CPU (several positions cost about twice
+    one) is dropped at once; on a GPU (flat curve) speculating stays cheap enough to keep trying."""
+    cpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    assert _drive(cpu, 2, accept_all=False, clock=clock) == [4, 0]
+    assert cpu.trace[1]["why"] == "prior shape"
+    gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cuda")
+    assert _drive(gpu, 2, accept_all=False, clock=clock)[1] > 0
+
+
+def test_accepted_probes_chain_but_not_forever(clock):
+    """Probes whose tokens are accepted are repeated next round (the text may have become predictable), but at
+    most PROBE_CHAIN in a row while plain steps still win (here: speculation costs 20x a plain step)."""
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    policy.jump = 20.0  # a prior that lets the plain step be tried
+    ks = _drive(policy, 60, accept_all=True, verify_ms=lambda k: 10.0 if k == 0 else 200.0, clock=clock)
+    assert ks[-30:] == [0] * 30
+    depths = "".join(str(entry["depth"]) for entry in policy.trace[-40:])
+    assert "1" * 2 in depths and "1" * (lookahead_module.PROBE_CHAIN + 2) not in depths and "0" * 4 in depths
+
+
 def test_a_plain_step_is_timed_only_while_the_draft_is_paused(clock):
     """Plain steps while the draft still works (one token deep, slowed by its memory traffic) are not what
     choosing plain decoding costs for long: only paused steps time K = 0, so a useless draft ends paused."""

@@ -34,6 +34,7 @@ COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
 EXPLORE_WITHIN = 0.9
 PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
 PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds
+PROBE_CHAIN = 3  # probes in a row while their tokens are accepted (each slows its round: the draft works beside it)
 # Speculation must promise this much more than plain steps before it is chosen over them: the estimates are noisy
 # and a wrong switch costs a round at about twice a plain step's price, so near a tie plain decoding wins.
 SPECULATE_MARGIN = 1.05
@@ -107,7 +108,8 @@ class LookaheadPolicy:
         self._timings = None
         self._rounds = 0
         self._plain_run = 0  # plain steps chosen in a row
-        self._last_free_sample: float | None = None
+        self._last_free_sample: float | None = None  # a_1's sample from this round's plain step, if any
+        self._probe_chain = 0  # probes in a row after accepted ones
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
 
     # --- the cost model ----------------------------------------------------------------------------------------
@@ -174,13 +176,15 @@ class LookaheadPolicy:
         K, had this round's speculation been long enough); otherwise 1 on the first plain steps (enough for the
         free acceptance sample of a_1), then 0 — the draft pauses, so it does not compete with the target for the
         machine (on a CPU its memory traffic slowed a plain step by ~20 %) — with a probe of depth 1 every
-        `PROBE_EVERY` rounds, and depth 1 again while the probes' tokens are accepted, which is how the policy
-        returns to speculation when the text becomes predictable."""
+        `PROBE_EVERY` rounds, and again next round while the probes' tokens are accepted (up to `PROBE_CHAIN` in
+        a row), which is how the policy returns to speculation when the text becomes predictable."""
+        accepted, self._last_free_sample = (self._last_free_sample or 0.0) >= 0.5, None
         if k > 0 or not self.adaptive or self._wanted > 0:
-            depth, self._plain_run, self._last_free_sample = self.k_max, 0, None
+            depth, self._plain_run, self._probe_chain = self.k_max, 0, 0
         else:
             self._plain_run += 1
-            probing = self._plain_run % PROBE_EVERY == 0 or (self._last_free_sample or 0.0) >= 0.5
+            self._probe_chain = self._probe_chain + 1 if accepted and self._probe_chain < PROBE_CHAIN else 0
+            probing = self._plain_run % PROBE_EVERY == 0 or self._probe_chain > 0
             depth = 1 if self._plain_run <= PAUSE_AFTER or probing else 0
         if self.trace:
             self.trace[-1]["depth"] = depth
@@ -198,10 +202,16 @@ class LookaheadPolicy:
             seconds = self.round_seconds(k)
             if seconds is not None and seconds > 0:
                 speeds[k] = expected_tokens(acceptance, k) / seconds
-        if not speeds:  # nothing measured yet (the first round): the configured K
+        if not speeds and self._rounds == 0:  # nothing known yet: the configured K
             self._wanted = self.k_max
             self._record(limit, None, "first round")
             return limit
+        if not speeds:  # acceptance seen, no verification timed yet (the first held the prefill): the prior shape
+            speeds = {k: expected_tokens(acceptance, k) / self.shape(k) for k in range(self.k_max + 1)}
+            self._wanted = _best(speeds)
+            choice = _best({k: v for k, v in speeds.items() if k <= limit})
+            self._record(choice, speeds, "prior shape")
+            return choice
         self._wanted = _best(speeds)
         speeds = {k: v for k, v in speeds.items() if k <= limit}
         best = _best(speeds)
