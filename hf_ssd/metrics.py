@@ -70,8 +70,9 @@ class SSDMetrics:
     `lookahead_per_round` is how many draft tokens each verification verified (`lookahead_schedule="adaptive"`
     chooses it every round; 0 is a plain target step); `lookahead_decisions` says why, round by round: the
     acceptance estimates per draft position, the predicted tokens per second of every K considered, the target's
-    verification time per K and the draft's round time they came from, and whether K was the best, an exploration
-    of an unmeasured K, or fixed.
+    verification time per K and the draft's round time they came from, whether K was the best, an exploration
+    of an unmeasured K, from the prior cost shape (before any verification was timed) or fixed, the most the round
+    could verify (`limit`), and how deep the draft prepared next (`depth`: 0 = paused).
     """
 
     rounds: int = 0

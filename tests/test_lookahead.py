@@ -161,6 +161,20 @@ def test_after_a_rejected_first_round_the_prior_shape_decides(clock):
     assert _drive(gpu, 2, accept_all=False, clock=clock)[1] > 0
 
 
+def test_an_explored_plain_step_pauses_the_draft_so_it_is_timed_once(clock):
+    """Speculation was measured, then stops paying: the plain step (unmeasured, its prior optimistic) is tried
+    with the draft paused for that round, so one try times it cleanly and it is not explored again."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    cost = dict(verify_ms=lambda k: 10.0 if k == 0 else 24.0, clock=clock, contention_ms=3.0)
+    _drive(policy, 4, accept_all=True, **cost)
+    assert 0 not in policy.verify
+    ks = _drive(policy, 12, accept_all=False, **cost)
+    explored = [entry for entry in policy.trace if entry["k"] == 0 and entry["why"] == "explore"]
+    assert len(explored) == 1 and explored[0]["depth"] == 0
+    assert policy.verify[0].value == pytest.approx(0.010)  # not 13 ms: timed while paused
+    assert ks[-6:] == [0] * 6
+
+
 def test_accepted_probes_chain_but_not_forever(clock):
     """Probes whose tokens are accepted are repeated next round (the text may have become predictable), but at
     most PROBE_CHAIN in a row while plain steps still win (here: speculation costs 20x a plain step)."""

@@ -177,9 +177,12 @@ class LookaheadPolicy:
         free acceptance sample of a_1), then 0 — the draft pauses, so it does not compete with the target for the
         machine (on a CPU its memory traffic slowed a plain step by ~20 %) — with a probe of depth 1 every
         `PROBE_EVERY` rounds, and again next round while the probes' tokens are accepted (up to `PROBE_CHAIN` in
-        a row), which is how the policy returns to speculation when the text becomes predictable."""
+        a row), which is how the policy returns to speculation when the text becomes predictable. A plain step
+        explored for its cost pauses the draft at once (its time beside a working draft is not what it costs)."""
         accepted, self._last_free_sample = (self._last_free_sample or 0.0) >= 0.5, None
-        if k > 0 or not self.adaptive or self._wanted > 0:
+        if k == 0 and self.adaptive and 0 not in self.verify and self.trace and self.trace[-1]["why"] == "explore":
+            depth, self._plain_run = 0, PAUSE_AFTER  # a plain step tried for its cost: timed with the draft paused
+        elif k > 0 or not self.adaptive or self._wanted > 0:
             depth, self._plain_run, self._probe_chain = self.k_max, 0, 0
         else:
             self._plain_run += 1
