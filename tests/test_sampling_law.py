@@ -349,6 +349,10 @@ def law_pvalues(law: np.ndarray, counts: np.ndarray) -> dict[str, float]:
 
 
 TEMPERATURE = {"temperature": 1.0}
+# Path tests and negative controls (which corrupt one path): a constant schedule keeps every round on the path (an
+# adaptive one takes plain steps where the tiny models make them faster, diluting it). The adaptive schedule's
+# law: test_ssd_sampling_law_under_the_adaptive_schedule below and tests/test_lookahead.py (scripted K).
+CONTROL_SCHEDULE = "constant"
 WARPED = {"temperature": 0.8, "top_k": 4, "top_p": 0.9, "min_p": 0.05}
 
 # (draft, lookahead, budget, C, backup, executor, sampling). Each backup, executor and C in {1, < 1} appears with
@@ -367,11 +371,25 @@ E2E_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("draft, executor", [("self", "sync"), ("random", "process")])
+def test_ssd_sampling_law_under_the_adaptive_schedule(models, draft, executor):
+    """The default schedule, unscripted: K chosen from the run's own timings (plain steps, pauses and returns
+    included where it decides so); the law is the target's."""
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.5, backup="ngram", executor=executor)
+    assert config.lookahead_schedule == "adaptive"
+    counts, hits, misses = ssd_samples(models["target"], models[draft], config, TEMPERATURE, seed=77,
+                                       samples=SAMPLES // 2)
+    pvalues = law_pvalues(exact_law(models["target"], TEMPERATURE), counts)
+    print(f"adaptive p-values {pvalues}, hits {hits}, misses {misses}")
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
 @pytest.mark.parametrize("draft, lookahead, budget, c, backup, executor, sampling", E2E_CONFIGS)
 def test_ssd_sampling_law_matches_target(models, draft, lookahead, budget, c, backup, executor, sampling):
     """SSD continuations follow the target's exact law; the hit and the miss path both ran."""
     target = models["target"]
-    config = SSDConfig(lookahead=lookahead, fanout_budget=budget, saguaro_c=c, backup=backup, executor=executor)
+    config = SSDConfig(lookahead=lookahead, fanout_budget=budget, saguaro_c=c, backup=backup, executor=executor,
+                       lookahead_schedule=CONTROL_SCHEDULE)  # every round on the hit / miss paths
     counts, hits, misses = ssd_samples(target, models[draft], config, sampling, seed=2024)
     pvalues = law_pvalues(exact_law(target, sampling), counts)
     print(f"p-values {pvalues}, hits {hits}, misses {misses}")
@@ -390,7 +408,8 @@ def test_negative_control_saguaro_q_mismatch_is_rejected(models, monkeypatch):
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "_sample", sample_with_vanilla_q)
     target = models["target"]
-    config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.3, backup="random", executor="sync")
+    config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.3, backup="random", executor="sync",
+                       lookahead_schedule=CONTROL_SCHEDULE)
     counts, _, _ = ssd_samples(target, models["random"], config, TEMPERATURE, seed=2024)
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
     print(f"negative control p-values {pvalues}")
@@ -410,7 +429,8 @@ def test_negative_control_hit_path_q_misaligned_is_rejected(models, monkeypatch)
 
     monkeypatch.setattr(SpeculationCache, "lookup", lookup_swapped)
     target = models["target"]
-    config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.05, backup="ngram", executor="sync")
+    config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.05, backup="ngram", executor="sync",
+                       lookahead_schedule=CONTROL_SCHEDULE)
     counts, hits, _ = ssd_samples(target, target, config, TEMPERATURE, seed=2024, samples=SAMPLES // 2)
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
     print(f"hit-path negative control p-values {pvalues}, hits {hits}")
@@ -438,10 +458,12 @@ def test_negative_control_q_corrupted_at_the_process_boundary(models, monkeypatc
     monkeypatch.setattr(ProcessExecutor, "_speculations", corrupted)
     target = models["target"]
     if part == "hit":
-        config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.05, backup="ngram", executor="process")
+        config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.05, backup="ngram", executor="process",
+                           lookahead_schedule=CONTROL_SCHEDULE)
         draft = target
     else:
-        config = SSDConfig(lookahead=2, fanout_budget=4, backup="ngram", executor="process")
+        config = SSDConfig(lookahead=2, fanout_budget=4, backup="ngram", executor="process",
+                           lookahead_schedule=CONTROL_SCHEDULE)
         draft = models["random"]
     counts, hits, misses = ssd_samples(target, draft, config, TEMPERATURE, seed=2024, samples=SAMPLES // 2)
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)

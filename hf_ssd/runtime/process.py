@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..cache.speculation_cache import Speculation
+from ..cache.speculation_cache import PLAIN, Speculation
 from ..generation.candidate_generator import DraftTimings, Resolution
 from . import wire
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
@@ -80,7 +80,7 @@ class ProcessExecutor(DraftExecutor):
         for i, (source, hit, length) in enumerate(meta):
             probs = None if buffers.probs is None else buffers.probs[slot, i, :length]
             speculation = Speculation(buffers.tokens[slot, i, :length], probs, wire.source_name(source))
-            out.append(Resolution(speculation, bool(hit)))
+            out.append(Resolution(speculation, bool(hit), looked_up=speculation.source != PLAIN))
         return out
 
     # --- the round protocol ------------------------------------------------------------------------------------
