@@ -110,6 +110,7 @@ class LookaheadPolicy:
         self._plain_run = 0  # plain steps chosen in a row
         self._last_free_sample: float | None = None  # a_1's sample from this round's plain step, if any
         self._probe_chain = 0  # probes in a row after accepted ones
+        self._exploring = False  # this round's K was chosen to time it
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
 
     # --- the cost model ----------------------------------------------------------------------------------------
@@ -167,6 +168,7 @@ class LookaheadPolicy:
     def choose(self, limit: int) -> int:
         """K for this round, at most `limit` (what max_length leaves); starts the round's clock."""
         self._round_start = time.perf_counter()
+        self._exploring = False
         k = self._choose(min(limit, self.k_max))
         self.trace[-1]["limit"] = limit
         return k
@@ -180,7 +182,7 @@ class LookaheadPolicy:
         a row), which is how the policy returns to speculation when the text becomes predictable. A plain step
         explored for its cost pauses the draft at once (its time beside a working draft is not what it costs)."""
         accepted, self._last_free_sample = (self._last_free_sample or 0.0) >= 0.5, None
-        if k == 0 and self.adaptive and 0 not in self.verify and self.trace and self.trace[-1]["why"] == "explore":
+        if k == 0 and self._exploring:
             depth, self._plain_run = 0, PAUSE_AFTER  # a plain step tried for its cost: timed with the draft paused
         elif k > 0 or not self.adaptive or self._wanted > 0:
             depth, self._plain_run, self._probe_chain = self.k_max, 0, 0
@@ -221,6 +223,7 @@ class LookaheadPolicy:
         unmeasured = [k for k in speeds if k not in self.verify and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
         if unmeasured:
             choice = max(unmeasured, key=speeds.get)
+            self._exploring = True
             self._record(choice, speeds, "explore")
             return choice
         self._record(best, speeds, "best")
