@@ -214,6 +214,46 @@ def test_speculation_must_beat_plain_steps_by_a_margin(clock):
     assert policy.choose(3) == 3
 
 
+def test_unreached_positions_revert_to_the_pooled_acceptance():
+    """A deep position not reached for a while (plain steps and probes only sample a_1) shrinks to what this pair
+    has shown at every position, not to the configured prior."""
+    tracker = lookahead_module.AcceptanceTracker(5, prior=0.7)
+    for _ in range(20):
+        tracker.add(0, 1.0)
+        tracker.add(1, 0.0)
+    assert tracker.pooled() == pytest.approx((20 + 0.7 * 2) / (40 + 2))
+    estimates = tracker.estimates()
+    assert estimates[3] == estimates[4] == pytest.approx(tracker.pooled()) and estimates[3] < 0.7
+    assert estimates[0] > 0.95 and estimates[1] < 0.05
+
+
+def test_a_later_call_remembers_the_cost_curve(clock):
+    """Costs timed in one call on a target serve the next (same executor, threads and rows), scaled by what the
+    new call measures: no K already timed is explored again, the second round decides from them rather than the
+    prior shape, and the draft's pooled acceptance becomes the next call's prior."""
+    memory = lookahead_module.LookaheadMemory()
+    first = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, memory=memory,
+                            setting=("thread", 1), draft_key=7)
+    cost = dict(verify_ms=lambda k: 10.0 if k == 0 else 24.0 + k, clock=clock)
+    _drive(first, 16, accept_all=False, **cost)
+    first.metrics()
+    timed = set(first.verify)
+    assert timed and set(memory.times(("thread", 1, 1))) == timed
+    assert memory.acceptance[7] == pytest.approx(first.acceptance.pooled()) and memory.acceptance[7] < 0.3
+    second = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, memory=memory,
+                             setting=("thread", 1), draft_key=7)
+    assert second.acceptance.prior == memory.acceptance[7]
+    slower = dict(verify_ms=lambda k: 2 * (10.0 if k == 0 else 24.0 + k), clock=clock)
+    _drive(second, 12, accept_all=False, **slower)
+    whys = [entry["why"] for entry in second.trace]
+    assert whys[1] == "best" and "prior shape" not in whys
+    assert not [e for e in second.trace if e["why"] == "explore" and e["k"] in timed]
+    assert second.verify_seconds(4) == pytest.approx(2 * first.verify_seconds(4), rel=0.05)  # scaled to this call
+    other = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, memory=memory,
+                            setting=("process", 1), draft_key=8)
+    assert other.verify_seconds(4) is None and other.acceptance.prior == 0.7  # another setting, another draft
+
+
 def test_constant_schedule_always_verifies_k_max(clock):
     policy = LookaheadPolicy(3, adaptive=False, acceptance_prior=0.7, concurrent=True)
     assert _drive(policy, 8, accept_all=False, clock=clock) == [3] * 8

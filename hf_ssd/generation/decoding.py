@@ -23,7 +23,7 @@ from ..runtime import DraftRequest, choose_executor, open_executor, split_thread
 from .backup import AutoBackup
 from .candidate_generator import sampling_warpers
 from .checks import check_processors, check_supported, model_vocab_size
-from .lookahead import LookaheadPolicy
+from .lookahead import LookaheadMemory, LookaheadPolicy
 from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, steps
 from .rows import Batch
 from .target_rows import TargetBatch, kv_bytes
@@ -54,8 +54,11 @@ def ssd_decoding(
     batch = Batch(input_ids, stopping_criteria, generation_config)
     target = TargetBatch(model, input_ids, model_kwargs, logits_processor)
     recorder, backups = MetricsRecorder(config.lookahead), AutoBackup(config.backup)
+    target_threads = request.target_threads if kind != "sync" else torch.get_num_threads()
     policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,
-                             concurrent=kind != "sync", device_type=input_ids.device.type)
+                             concurrent=kind != "sync", device_type=input_ids.device.type,
+                             memory=LookaheadMemory.of(model), setting=(kind, target_threads),
+                             draft_key=id(assistant_model))
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -65,7 +68,8 @@ def ssd_decoding(
         with phase("wait_first"):  # the draft's prefill and first speculations, on every core
             batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask")).result())
         while True:
-            verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions))
+            verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions),
+                                     rows=len(batch.active))
             with phase("wait_prepare"):  # a submission (inline with executor="sync": the whole task)
                 preparing = drafter.prepare(verified, policy.depth(verified))  # concurrent with the verification
             with recorder.verification():

@@ -26,6 +26,7 @@ while probes are accepted. `lookahead_schedule="constant"` verifies K_max every 
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -58,12 +59,16 @@ class _Ema:
 
 
 class AcceptanceTracker:
-    """Per draft position j = 1..K_max+1: decayed counts of (reached, accepted); the estimate shrinks to `prior`."""
+    """Per draft position j = 1..K_max+1: decayed counts of (reached, accepted). Each estimate shrinks to the run's
+    pooled acceptance (every sample at every position, no forgetting), itself shrunk to `prior`: a position not
+    reached for a while (deep ones, while plain steps or probes only measure a_1) reverts to what this pair has
+    shown, not to a fixed guess."""
 
-    def __init__(self, positions: int, prior: float, prior_weight: float = 1.0):
+    def __init__(self, positions: int, prior: float, prior_weight: float = 1.0, pooled_weight: float = 2.0):
         self.reached = [0.0] * positions
         self.passed = [0.0] * positions
-        self.prior, self.prior_weight = prior, prior_weight
+        self.prior, self.prior_weight, self.pooled_weight = prior, prior_weight, pooled_weight
+        self.pooled_reached = self.pooled_passed = 0.0
 
     def decay(self) -> None:
         self.reached = [DECAY * r for r in self.reached]
@@ -74,10 +79,43 @@ class AcceptanceTracker:
         if position < len(self.reached):
             self.reached[position] += 1.0
             self.passed[position] += accepted
+            self.pooled_reached += 1.0
+            self.pooled_passed += accepted
+
+    def pooled(self) -> float:
+        w = self.pooled_weight
+        return (self.pooled_passed + self.prior * w) / (self.pooled_reached + w)
 
     def estimates(self) -> list[float]:
-        w = self.prior_weight
-        return [(p + self.prior * w) / (r + w) for p, r in zip(self.passed, self.reached)]
+        w, prior = self.prior_weight, self.pooled()
+        return [(p + prior * w) / (r + w) for p, r in zip(self.passed, self.reached)]
+
+
+class LookaheadMemory:
+    """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time
+    per K for each setting (executor, target threads, active rows) and each draft's pooled acceptance. A new call
+    scales the remembered times by what it has measured itself (context and machine load move them all), and
+    does not explore a K already timed. Kept beside the target model (weakly: it goes with the model)."""
+
+    _by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self):
+        self.verify: dict[tuple, dict[int, float]] = {}
+        self.acceptance: dict[int, float] = {}
+
+    @classmethod
+    def of(cls, model) -> LookaheadMemory:
+        try:
+            return cls._by_model.setdefault(model, cls())
+        except TypeError:  # not weakly referable: nothing is remembered
+            return cls()
+
+    def times(self, setting: tuple) -> dict[int, float]:
+        return self.verify.get(setting, {})
+
+    def record(self, setting: tuple, k: int, seconds: float) -> None:
+        times = self.verify.setdefault(setting, {})
+        times[k] = seconds if k not in times else COST_DECAY * times[k] + (1 - COST_DECAY) * seconds
 
 
 def _best(speeds: dict[int, float]) -> int:
@@ -92,9 +130,14 @@ class LookaheadPolicy:
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", memory: LookaheadMemory | None = None, setting: tuple = (),
+                 draft_key: int | None = None):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
+        self.memory, self.setting, self.draft_key = memory, setting, draft_key
+        if memory is not None and draft_key in memory.acceptance:
+            acceptance_prior = memory.acceptance[draft_key]
         self.acceptance = AcceptanceTracker(lookahead + 1, acceptance_prior)
+        self._active_rows = 1
         self.verify = {}  # K -> _Ema of the target forward seconds
         # priors of the cost curve's shape, only until measured (see `shape`): measured on 2-core CPUs (fp32 Qwen
         # 1.5B: 2 positions 2.0-2.3x one, each further one +0.05-0.1x), near flat on GPUs
@@ -115,14 +158,15 @@ class LookaheadPolicy:
 
     # --- the cost model ----------------------------------------------------------------------------------------
     def verify_seconds(self, k: int) -> float | None:
-        """T_v(k): measured, else from the measured ones and the cost curve's shape (see `shape`).
+        """T_v(k): measured (in this call, or in earlier ones on this target: `LookaheadMemory`, scaled to this
+        call), else from the measured ones and the cost curve's shape (see `shape`).
 
         Between two measured K: on the line through them. Below the smallest measured K >= 1: as much as it (fewer
         positions are not assumed cheaper until measured: on CPUs the curve is not even monotone, e.g. 3
         positions slower than 5 with oneDNN). Above the largest: the line through the two largest, or the prior
         shape from one. The plain step (K = 0), until measured while the draft is paused: the most optimistic of
         the measured ones scaled by the prior shape, so that it gets tried."""
-        measured = dict((n, e.value) for n, e in self.verify.items())
+        measured = {**self._remembered(), **{n: e.value for n, e in self.verify.items()}}
         if not measured:
             return None
         if k in measured:
@@ -145,6 +189,19 @@ class LookaheadPolicy:
         n, t = below[-1]
         return t * self.shape(k) / self.shape(n)
 
+    def _remembered(self) -> dict[int, float]:
+        """Times of earlier calls in this setting, scaled by this call's measured / remembered ratio where both
+        exist (as remembered when nothing overlaps yet)."""
+        if self.memory is None:
+            return {}
+        times = self.memory.times(self._setting())
+        ratios = [e.value / times[n] for n, e in self.verify.items() if n in times and times[n] > 0]
+        scale = sum(ratios) / len(ratios) if ratios else 1.0
+        return {n: t * scale for n, t in times.items()}
+
+    def _setting(self) -> tuple:
+        return (*self.setting, self._active_rows)
+
     def shape(self, k: int) -> float:
         """The prior cost curve T_v(k) / T_v(0): one position is a plain step (on a CPU a matrix-vector product,
         several positions a matrix product, which costs twice as much per weight read: `jump`), then `slope` per
@@ -165,9 +222,11 @@ class LookaheadPolicy:
         return body + max(self.overhead.value or 0.0, 0.0) + miss
 
     # --- the decision ------------------------------------------------------------------------------------------
-    def choose(self, limit: int) -> int:
-        """K for this round, at most `limit` (what max_length leaves); starts the round's clock."""
+    def choose(self, limit: int, rows: int = 1) -> int:
+        """K for this round of `rows` active rows, at most `limit` (what max_length leaves); starts the round's
+        clock."""
         self._round_start = time.perf_counter()
+        self._active_rows = rows
         self._exploring = False
         k = self._choose(min(limit, self.k_max))
         self.trace[-1]["limit"] = limit
@@ -207,7 +266,7 @@ class LookaheadPolicy:
             seconds = self.round_seconds(k)
             if seconds is not None and seconds > 0:
                 speeds[k] = expected_tokens(acceptance, k) / seconds
-        if not speeds and self._rounds == 0:  # nothing known yet: the configured K
+        if self._rounds == 0:  # the first round holds the prefill and its speculation is the first sample: K_max
             self._wanted = self.k_max
             self._record(limit, None, "first round")
             return limit
@@ -220,7 +279,8 @@ class LookaheadPolicy:
         self._wanted = _best(speeds)
         speeds = {k: v for k, v in speeds.items() if k <= limit}
         best = _best(speeds)
-        unmeasured = [k for k in speeds if k not in self.verify and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
+        known = set(self.verify) | set(self._remembered())
+        unmeasured = [k for k in speeds if k not in known and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
         if unmeasured:
             choice = max(unmeasured, key=speeds.get)
             self._exploring = True
@@ -284,6 +344,8 @@ class LookaheadPolicy:
         paused = self.trace[-1].get("depth", self.k_max) == 0 if self.trace else False
         if k > 0 or paused:  # a plain step is timed while the draft is paused: what choosing it costs for long
             self.verify.setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
+            if self.memory is not None and self.adaptive:
+                self.memory.record(self._setting(), k, forward_seconds)
         backup_now = 0.0
         if previous is not None:
             calls = timings.prepare_calls - previous.prepare_calls
@@ -301,5 +363,7 @@ class LookaheadPolicy:
             self.overhead.add(wall - body - backup_now)
 
     def metrics(self) -> dict:
+        if self.memory is not None and self.draft_key is not None and self.acceptance.pooled_reached > 0:
+            self.memory.acceptance[self.draft_key] = self.acceptance.pooled()
         return {"lookahead_per_round": [entry["k"] for entry in self.trace], "lookahead_decisions": self.trace}
 
