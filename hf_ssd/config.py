@@ -44,7 +44,8 @@ class SSDConfig:
         executor: where the draft runs: `"process"` (a persistent worker process sharing the draft's weights,
             concurrent with verification, no shared GIL), `"thread"` (a background thread), `"sync"` (inline, for
             debugging and ablations), or `"auto"` (a worker process once one is running, a thread until then;
-            inline on one core); `"stream"` is reserved for CUDA.
+            inline on one core; `"stream"` for a draft on a GPU); `"stream"`: a background thread issuing the draft's
+            work on a side stream of its device, hand-offs by events (on a CPU it runs as `"thread"` does).
         draft_threads: intra-op CPU threads for the draft worker (None: half the cores).
         target_threads: intra-op CPU threads for the target while SSD runs (None: the remaining cores).
         acceptance_prior: the per-token acceptance `a` used for the fan-out before statistics exist.

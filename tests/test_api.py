@@ -384,7 +384,6 @@ def test_refusals_before_any_work(pair):
         (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
         (dict(output_hidden_states=True, return_dict_in_generate=True), "output_hidden_states"),
         (dict(use_cache=False), "use_cache=False"),
-        (dict(ssd_config={"executor": "stream"}), "stream"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
     ]
     for overrides, message in cases:

@@ -78,7 +78,7 @@ def raise_after(original, n: int, error: BaseException):
     return wrapped, calls
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "stream", "sync"])
 @pytest.mark.parametrize("where", ["prepare", "begin", "resolve"])
 def test_drafter_exception_surfaces(pair, case, monkeypatch, executor, where):
     target, random_draft = pair
@@ -101,7 +101,7 @@ def test_drafter_exception_surfaces(pair, case, monkeypatch, executor, where):
         assert_clean_and_working(target, draft, ids, expected, executor, threads_before)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "stream", "sync"])
 def test_draft_model_forward_exception_surfaces(pair, case, monkeypatch, executor):
     target, random_draft = pair
     ids, expected = case
@@ -138,7 +138,7 @@ class InterruptingCriterion(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "stream", "sync"])
 def test_keyboard_interrupt_from_target_side(pair, case, executor):
     target, random_draft = pair
     ids, expected = case
@@ -201,7 +201,7 @@ def test_ctrl_c_while_the_draft_works(pair, case, monkeypatch):
     assert_clean_and_working(target, random_draft, ids, expected, "thread", threads_before)
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync", "process"])
+@pytest.mark.parametrize("executor", ["thread", "stream", "sync", "process"])
 def test_concurrent_generate_on_one_model(pair, executor):
     target, random_draft = pair
     prompts = [torch.randint(0, VOCAB, (1, 6 + i), generator=torch.Generator().manual_seed(30 + i))
@@ -243,7 +243,7 @@ class RecordThreads(LogitsProcessor):
         return scores
 
 
-@pytest.mark.parametrize("executor", ["thread", "sync"])
+@pytest.mark.parametrize("executor", ["thread", "stream", "sync"])
 def test_thread_counts_during_and_after(pair, case, monkeypatch, executor):
     """The draft worker and the target run with the configured intra-op thread counts; the caller's is restored."""
     target, random_draft = pair
@@ -262,7 +262,7 @@ def test_thread_counts_during_and_after(pair, case, monkeypatch, executor):
     out = target.generate(ids, assistant_model=random_draft, ssd_config=config, max_new_tokens=NEW, do_sample=False,
                           logits_processor=LogitsProcessorList([processor]))
     assert torch.equal(out, expected)
-    if executor == "thread":
+    if executor in ("thread", "stream"):
         assert processor.seen == {3} and draft_seen == {(True, 2)}
         assert (target.ssd_metrics.draft_threads, target.ssd_metrics.target_threads) == (2, 3)
     else:  # inline: the caller's own thread and thread count

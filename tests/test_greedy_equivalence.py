@@ -29,6 +29,9 @@ CASES = [
     (4, "geometric", 12, "ngram", "process"),
     (3, [2, 1, 1, 2], 6, "random", "process"),
     (1, "uniform", 3, "auto", "process"),
+    (2, "geometric", 6, "draft", "stream"),
+    (3, "uniform", 1, "ngram", "stream"),
+    (4, [1, 1, 2, 1, 3], 8, "random", "stream"),
 ]
 
 _PAIRS = {}
@@ -144,7 +147,7 @@ def _other_arch(name: str, layers: int):
     return model_cls(config_cls(**base, **extra))
 
 
-@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize("executor", ["thread", "stream", "process"])
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt2", "mixtral", "phi3"])
 def test_greedy_identical_on_other_architectures(name, executor):
     torch.manual_seed(0)

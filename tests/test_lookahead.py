@@ -305,7 +305,7 @@ def scripted_ks(rounds: int, k_max: int = 3) -> list[int]:
 ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
 
 
-@pytest.mark.parametrize("executor", ["sync", "thread", "process"])
+@pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_identical_while_k_changes(scripted, arch, executor):
     target, random_draft = tiny_pair(arch, seed=60 + ARCHS.index(arch))

@@ -368,6 +368,8 @@ E2E_CONFIGS = [
     pytest.param("random", 3, 6, 0.5, "ngram", "sync", WARPED, id="rand-C0.5-ngram-sync-warped"),
     pytest.param("self", 2, 4, 0.05, "draft", "process", TEMPERATURE, id="self-C0.05-draft-process"),
     pytest.param("random", 2, 4, 0.5, "random", "process", WARPED, id="rand-C0.5-random-process-warped"),
+    pytest.param("self", 2, 4, 0.3, "ngram", "stream", TEMPERATURE, id="self-C0.3-ngram-stream"),
+    pytest.param("random", 2, 4, 1.0, "draft", "stream", WARPED, id="rand-C1-draft-stream-warped"),
 ]
 
 
@@ -480,7 +482,7 @@ def test_sampling_is_reproducible_and_executor_independent(backup, rows):
     target, draft = tiny_pair("llama", seed=31)
     input_ids = torch.randint(0, 96, (rows, 6), generator=torch.Generator().manual_seed(0))
     outputs = []
-    for executor in ("thread", "sync", "process", "thread"):
+    for executor in ("thread", "sync", "process", "stream", "thread"):
         torch.manual_seed(123)
         config = SSDConfig(lookahead=3, saguaro_c=0.5, executor=executor, backup=backup,
                            lookahead_schedule="constant")

@@ -57,13 +57,13 @@ def ssd_decoding(
     target_threads = request.target_threads if kind != "sync" else torch.get_num_threads()
     policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,
                              concurrent=kind != "sync", device_type=input_ids.device.type,
-                             memory=LookaheadMemory.of(model), setting=(kind, target_threads),
+                             memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
                              draft_key=id(assistant_model))
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
     with BatchStreamer(streamer, batch.rows, None if pad is None else int(pad)) as stream, open_executor(
-        kind, assistant_model, request, config.executor
+        kind, assistant_model, request, config.executor, input_ids.device
     ) as drafter:
         with phase("wait_first"):  # the draft's prefill and first speculations, on every core
             batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask")).result())

@@ -93,9 +93,10 @@ class AcceptanceTracker:
 
 class LookaheadMemory:
     """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time
-    per K for each setting (executor, target threads, active rows) and each draft's pooled acceptance. A new call
-    scales the remembered times by what it has measured itself (context and machine load move them all), and
-    does not explore a K already timed. Kept beside the target model (weakly: it goes with the model)."""
+    per K for each setting (concurrent draft or not, target threads, active rows) and each draft's pooled
+    acceptance. A new call scales the remembered times by what it has measured itself (context and machine load
+    move them all), and does not explore a K already timed. Kept beside the target model (weakly: it goes with
+    the model)."""
 
     _by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

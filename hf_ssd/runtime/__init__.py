@@ -1,4 +1,5 @@
-"""Where the draft runs: inline, on a thread, or in a worker process (and, later, on a CUDA stream).
+"""Where the draft runs: inline, on a thread, on a thread issuing onto a side stream of its device, or in a worker
+process.
 
 Everything about threads, processes and devices lives in this package, behind `DraftExecutor`; the round loop only
 calls `choose_executor` and `open_executor`.

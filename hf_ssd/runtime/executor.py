@@ -6,7 +6,8 @@ verification outcomes, so a running `prepare` can stop early) and `resolve` (com
 speculations up, run the backup on a miss). `prepare`, `begin` and `resolve` return a pending result (anything
 with `.result()`); the loop never knows whether an inline call, a thread or a process answered.
 
-Kinds: "sync" (inline), "thread" (one background thread, `local.py`), "process" (a persistent worker process that
+Kinds: "sync" (inline), "thread" (one background thread, `local.py`), "stream" (that thread issuing onto a side
+stream of the draft's device, hand-offs by events, `stream.py`), "process" (a persistent worker process that
 shares the draft's weights, `process.py`). `choose_executor` resolves "auto".
 """
 
@@ -133,13 +134,9 @@ def choose_executor(kind: str, draft_model, target_device: torch.device) -> str:
     this interpreter (the GIL then costs neither side: on small pairs SSD runs 10-25 % faster than with a thread,
     on large ones the same), else on a thread, the worker starting in the background when that call returns (its
     start-up, 3-4 s of a core, exceeds many whole generations and would slow the call it overlapped). A CUDA draft
-    runs on a thread. One core and one device: inline ("sync").
+    runs on the stream executor (a thread issuing onto a side stream of its device). One core and one device:
+    inline ("sync").
     """
-    if kind == "stream":
-        raise ValueError(
-            "SSDConfig.executor='stream' is reserved for the CUDA stream path, which is not available yet; "
-            "use 'thread', 'process' or 'sync'."
-        )
     if kind != "auto":
         return kind
     draft_device = torch.device(draft_model.device)
@@ -150,11 +147,14 @@ def choose_executor(kind: str, draft_model, target_device: torch.device) -> str:
 
         if POOL.ready_for(draft_model):
             return "process"
-    return "thread"
+        return "thread"
+    return "stream"
 
 
-def open_executor(kind: str, draft_model, request: DraftRequest, requested: str | None = None) -> DraftExecutor:
-    """A new executor of `kind` ("sync", "thread" or "process") for one generation; use it as a context manager.
+def open_executor(kind: str, draft_model, request: DraftRequest, requested: str | None = None,
+                  target_device: torch.device | str = "cpu") -> DraftExecutor:
+    """A new executor of `kind` ("sync", "thread", "stream" or "process") for one generation; use it as a context
+    manager. `target_device` is where the target consumes the draft's results (the stream executor's hand-offs).
 
     `requested` is what the configuration asked for: when "auto" settled on a thread for a CPU draft, a worker
     process is started in the background once this generation is over, for the calls that follow."""
@@ -162,6 +162,10 @@ def open_executor(kind: str, draft_model, request: DraftRequest, requested: str 
         from .process import ProcessExecutor
 
         return ProcessExecutor(draft_model, request)
+    if kind == "stream":
+        from .stream import StreamExecutor
+
+        return StreamExecutor(draft_model, request, target_device)
     from .local import LocalExecutor
 
     executor = LocalExecutor(kind, draft_model, request)

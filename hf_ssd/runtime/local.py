@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class LocalExecutor(DraftExecutor):
-    """Runs the drafter's tasks one at a time, in submission order, inline or on a single worker thread."""
+    """Runs the drafter's tasks one at a time, in submission order, inline or on a single worker thread (the stream
+    executor, `stream.py`, is this with the draft's work on a side stream of its device)."""
 
     def __init__(self, kind: str, draft_model: torch.nn.Module, request: DraftRequest):
         if kind not in ("sync", "thread"):
@@ -41,7 +42,7 @@ class LocalExecutor(DraftExecutor):
         )
 
     def start(self) -> None:
-        if self.kind == "thread":
+        if self.kind != "sync":
             self._pool = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="hf-ssd-draft", initializer=torch.set_num_threads,
                 initargs=(self.request.draft_threads,),
@@ -71,11 +72,16 @@ class LocalExecutor(DraftExecutor):
         try:
             with torch.no_grad():
                 result = fn(*args)
-                if self.draft_device.type not in ("cpu", "meta"):
-                    torch.get_device_module(self.draft_device).synchronize(self.draft_device)
+                self._settle()
             return result
         finally:
             self._busy += time.perf_counter() - start
+
+    def _settle(self) -> None:
+        """Once a task has issued its work: wait until the draft's device has run it (the stream executor hands
+        off with events instead)."""
+        if self.draft_device.type not in ("cpu", "meta"):
+            torch.get_device_module(self.draft_device).synchronize(self.draft_device)
 
     def _submit(self, fn, *args) -> Future:
         if self._pool is not None:
@@ -91,7 +97,7 @@ class LocalExecutor(DraftExecutor):
     # --- the round protocol ----------------------------------------------------------------------------------
     def begin(self, input_ids, attention_mask) -> Future:
         def on_all_cores(ids, mask):  # the target waits for it: every core this generation has
-            threads = self.request.draft_threads + self.request.target_threads if self.kind == "thread" else None
+            threads = self.request.draft_threads + self.request.target_threads if self.kind != "sync" else None
             with torch_threads(threads):
                 return self.drafter.begin(ids, mask)
 
