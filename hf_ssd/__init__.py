@@ -22,16 +22,22 @@ _EXPORTS = {
     "SSDGenerateDecoderOnlyOutput": ".generation",
     "SaguaroCandidateGenerator": ".generation",
     "enable_ssd": ".generation",
+    "Placement": ".runtime.placement",
+    "place_models": ".runtime.placement",
+    "plan_placement": ".runtime.placement",
 }
 
 __all__ = [
     "DraftWorkerError",
+    "Placement",
     "SSDConfig",
     "SSDGenerateDecoderOnlyOutput",
     "SSDGenerationMixin",
     "SSDMetrics",
     "SaguaroCandidateGenerator",
     "enable_ssd",
+    "place_models",
+    "plan_placement",
     "__version__",
 ]
 
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
     from .generation import SaguaroCandidateGenerator, SSDGenerateDecoderOnlyOutput, SSDGenerationMixin, enable_ssd
     from .metrics import SSDMetrics
     from .runtime import DraftWorkerError
+    from .runtime.placement import Placement, place_models, plan_placement
 
 
 def __getattr__(name: str):
