@@ -1,0 +1,37 @@
+"""The device check script runs end to end in its CPU tiny mode, so it cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_tiny_on_cpu(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny", "--out",
+         str(tmp_path), "--batch-sizes", "1,2", "--max-new-tokens", "12"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert (tmp_path / "gpu_check.md").read_text().startswith("# hf_ssd device check")
+    assert report["skipped"] == []
+    methods = {(r["method"], r["batch"], r["sampling"]) for r in report["results"]}
+    for sampling in (False, True):
+        for batch in (1, 2):
+            assert {("ar", batch, sampling), ("ssd-thread", batch, sampling), ("ssd-stream", batch, sampling),
+                    ("ssd-process", batch, sampling)} <= methods
+        assert {("sd-k2", 1, sampling), ("sd-k4", 1, sampling), ("sd-default", 1, sampling)} <= methods
+    for r in report["results"]:
+        assert r["tok_s"] > 0 and r["new_tokens"] == 12 * r["batch"]
+        if not r["sampling"] and r["method"] != "ar":
+            assert r["identical_rows"] == 1.0, r["key"]  # greedy: exactly AR's tokens
+        if r["method"].startswith("ssd"):
+            assert 0 <= r["target_idle"] <= 1 and r["rounds"] > 0 and r["target_phase_ms"]
+            assert r["vs_ar"] is not None
