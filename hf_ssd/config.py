@@ -52,6 +52,11 @@ class SSDConfig:
         power_law_prior: the hit-rate power-law exponent `r` used before statistics exist.
         adaptive: re-estimate `a` and `r` online from the run's own statistics.
         ngram_max: the longest n-gram the `"ngram"` backup matches.
+        compile_draft: run the draft's steps (glue, tree, just-in-time backup) compiled over a fixed-capacity KV
+            cache, so each step's shapes are static: with `torch.compile` (on a GPU in "reduce-overhead" mode, i.e.
+            captured once into CUDA graphs and replayed without launch overhead). The first calls compile.
+        compile_backend: the `torch.compile` backend for `compile_draft` ("inductor"; "aot_eager" or "eager" to
+            debug the static-shape path without code generation).
     """
 
     lookahead: int = 3
@@ -67,6 +72,8 @@ class SSDConfig:
     power_law_prior: float = 1.0
     adaptive: bool = True
     ngram_max: int = 3
+    compile_draft: bool = False
+    compile_backend: str = "inductor"
     _extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +125,16 @@ class SSDConfig:
         if not isinstance(self.adaptive, bool):
             _fail("adaptive", self.adaptive, "expected a bool")
         _check_int("ngram_max", self.ngram_max, 1)
+        if not isinstance(self.compile_draft, bool):
+            _fail("compile_draft", self.compile_draft, "expected a bool")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            _fail("compile_backend", self.compile_backend, "expected a torch.compile backend name, e.g. 'inductor'")
+        if self.compile_draft:
+            import torch
+
+            if self.compile_backend not in torch.compiler.list_backends(exclude_tags=()):
+                _fail("compile_backend", self.compile_backend,
+                      f"expected one of {sorted(torch.compiler.list_backends(exclude_tags=()))}")
 
     @property
     def branches(self) -> int:

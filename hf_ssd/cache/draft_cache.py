@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -121,6 +123,121 @@ class GrowingLayer(DynamicLayer):
         return sum(t.numel() * t.element_size() for t in (self._keys, self._values) if t is not None)
 
 
+class StaticSlotsLayer(DynamicLayer):
+    """A full-attention KV layer of fixed capacity, for compiled and graph-captured draft steps.
+
+    `keys`/`values` are always the whole buffers [b, h, C, d] (slots not written yet are masked by the caller), and a
+    forward's states are written at slots [n, n + N) through a device-side counter n, so a step's shapes depend only
+    on (b, N, C) and it replays without recompiling. The host mirror `length` is advanced by the caller
+    (`DraftCache.forward`), never inside the model, so nothing compiled reads a changing Python number.
+    """
+
+    is_compileable = True
+
+    def __init__(self, capacity: int, **kwargs):
+        self._keys = self._values = self._next = None
+        self.capacity_slots = capacity
+        self.length = 0
+        super().__init__(**kwargs)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = value
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        b, h, _, d = key_states.shape
+        self._keys = key_states.new_zeros(b, h, self.capacity_slots, d)
+        self._values = value_states.new_zeros(b, value_states.shape[1], self.capacity_slots, value_states.shape[-1])
+        self._next = torch.zeros((), dtype=torch.long, device=self.device)
+        self.length = 0
+        self.is_initialized = True
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        if not torch.compiler.is_compiling():
+            for tensor in (self._keys, self._values, self._next):
+                torch._dynamo.mark_static_address(tensor)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self._next + torch.arange(key_states.shape[-2], device=self.device)
+        self._keys.index_copy_(2, slots, key_states)
+        self._values.index_copy_(2, slots, value_states)
+        self._next.add_(key_states.shape[-2])
+        return self._keys, self._values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.capacity_slots, 0
+
+    def advance(self, count: int) -> None:
+        """The host mirror of the device counter, after a forward of `count` tokens per row."""
+        self.length += count
+
+    def grow(self, capacity: int) -> None:
+        """Move to larger buffers (a new shape: compiled steps specialise again)."""
+        if self._keys is not None and capacity > self.capacity_slots:
+            for name in ("_keys", "_values"):
+                old = getattr(self, name)
+                new = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
+                new[..., : self.length, :] = old[..., : self.length, :]
+                setattr(self, name, new)
+            self._mark_static()
+        self.capacity_slots = max(capacity, self.capacity_slots)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self._keys is not None:
+            self._keys = self._keys.index_select(0, rows)
+            self._values = self._values.index_select(0, rows)
+            self._mark_static()
+
+    def keep_tail(self, start: int, index: torch.Tensor) -> None:
+        for buffer in (self._keys, self._values):
+            tail = gather_slots(buffer[..., start : self.length, :], index, -2)
+            buffer[..., start : start + index.shape[1], :] = tail
+        self.length = start + index.shape[1]
+        self._next.fill_(self.length)
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._keys, self._values) if t is not None)
+
+
+def compiled_call(model: torch.nn.Module, backend: str, mode: str | None):
+    """`model`'s compiled `__call__` for (backend, mode), kept on the model (as transformers keeps its own): graphs
+    compiled in one generation serve the next."""
+    compiled = model.__dict__.setdefault("_hf_ssd_compiled", {})
+    if (backend, mode) not in compiled:
+        compiled[backend, mode] = torch.compile(model.__call__, backend=backend, mode=mode, dynamic=False)
+    return compiled[backend, mode]
+
+
+def _recompile_limits():
+    """Room for every static shape a generation meets (widths 1, 2, K+1, B at each batch size as rows finish) without
+    falling back to eager: torch's default allows 8 per function."""
+    return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024)
+
+
+def default_compile(device: torch.device) -> tuple[str, str | None]:
+    """(backend, mode): CUDA graphs through inductor's "reduce-overhead" on a GPU, inductor's kernels elsewhere."""
+    return ("inductor", "reduce-overhead") if torch.device(device).type == "cuda" else ("inductor", None)
+
+
 class DraftCache:
     """KV slots of the draft for b rows (growing layers that never evict, so tree scratch can be dropped) plus every
     slot's logical position and validity ([b, L] each).
@@ -130,11 +247,20 @@ class DraftCache:
     queries) are never visible, and `keep` drops slots and rows.
     """
 
-    def __init__(self, model: torch.nn.Module, rows: int = 1, timer=None):
+    def __init__(self, model: torch.nn.Module, rows: int = 1, timer=None, capacity: int | None = None,
+                 compiled=None, compiled_widths: frozenset[int] = frozenset()):
         self.model = model
         self.device = model.device
+        self.capacity = capacity  # None: growing layers; else fixed-capacity layers (static shapes)
         self.kv = DynamicCache()
-        self.kv.layer_class_to_replicate = GrowingLayer
+        if capacity is None:
+            self.kv.layer_class_to_replicate = GrowingLayer
+        else:
+            count = model.config.get_text_config(decoder=True).num_hidden_layers
+            self.kv.layers = [StaticSlotsLayer(capacity) for _ in range(count)]
+        self.compiled = compiled  # the model's compiled call, for forwards of `compiled_widths` tokens per row
+        self.compiled_widths = compiled_widths
+        self.compiled_calls = 0
         self.positions = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=self.device)
         self.timer = timer  # a `PhaseTimer`: the model calls are recorded as "<phase>_forward"
@@ -180,6 +306,13 @@ class DraftCache:
         self.positions = torch.cat([self.positions[:, :start], self.positions[:, start:].gather(1, index)], dim=1)
         self.valid = torch.cat([self.valid[:, :start], self.valid[:, start:].gather(1, index) & valid], dim=1)
 
+    def _reserve(self, slots: int) -> None:
+        """Static layers: grow the capacity (by half, in blocks of 256 slots) when `slots` would not fit."""
+        if slots > self.capacity:
+            self.capacity = -(-max(slots, self.capacity * 3 // 2) // 256) * 256
+            for layer in self.kv.layers:
+                layer.grow(self.capacity)
+
     def memory_bytes(self) -> int:
         """Bytes held by the KV buffers (spare capacity included)."""
         return sum(layer.memory_bytes() for layer in self._layers())
@@ -196,18 +329,29 @@ class DraftCache:
         """Append N tokens per row ([b, N]) at logical `positions` [b, N]; `visible` is [b, N, len(self)+N];
         `valid` [b, N] marks real tokens (default all). Returns logits [b, N', V]."""
         key_pos = torch.cat([self.positions, positions], dim=1)
+        mask_visible, mask_key_pos = visible, key_pos
+        if self.capacity is not None:  # static shapes: masks over the whole capacity, unwritten slots masked
+            self._reserve(key_pos.shape[1])
+            spare = self.capacity - key_pos.shape[1]
+            mask_visible = torch.nn.functional.pad(visible, (0, spare))
+            mask_key_pos = torch.nn.functional.pad(key_pos, (0, spare))
         masks = {
-            kind: additive_mask(visible, positions, key_pos, self._dtype, window)
+            kind: additive_mask(mask_visible, positions, mask_key_pos, self._dtype, window)
             for kind, window in self._windows.items()
         }
         mask = masks[""] if "" in masks else masks
         kwargs = dict(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                       logits_to_keep=logits_to_keep, **{self._cache_kwarg: self.kv})
-        if self.timer is None:
-            out = self.model(**kwargs)
-        else:
-            with self.timer(f"{phase}_forward"):
-                out = self.model(**kwargs)
+        call, limits = self.model, contextlib.nullcontext()
+        if self.compiled is not None and tokens.shape[1] in self.compiled_widths and len(self) > 0:
+            call, limits = self.compiled, _recompile_limits()
+            kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            self.compiled_calls += 1
+        with limits, self.timer(f"{phase}_forward") if self.timer is not None else contextlib.nullcontext():
+            out = call(**kwargs)
+        if self.capacity is not None:
+            for layer in self.kv.layers:
+                layer.advance(tokens.shape[1])
         self.positions = key_pos
         new_valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
         self.valid = torch.cat([self.valid, new_valid], dim=1)

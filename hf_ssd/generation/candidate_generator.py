@@ -31,7 +31,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from ..cache.draft_cache import DraftCache
+from ..cache.draft_cache import DraftCache, compiled_call, default_compile
 from ..cache.speculation_cache import PLAIN, Speculation, SpeculationCache, lookup_kind
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
@@ -213,7 +213,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             self.device
         ).bool()
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
-        self.cache = DraftCache(self.model, rows, timer=self.clock)
+        self.cache = self._new_cache(rows, width)
         if width > 1:
             head = width - 1
             visible = causal_visibility(self.cache.valid, head, valid[:, :head])
@@ -226,6 +226,19 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.speculations = [None] * rows
         self._backup_speculations(list(range(rows)), "draft", self.lookahead, phase="prefill")
         return list(self.speculations)
+
+    def _new_cache(self, rows: int, width: int) -> DraftCache:
+        """The draft's KV for `rows` prompts of `width` slots: growing layers, or with `compile_draft` fixed-capacity
+        ones (room for the prompt, a round's glue and tree and 256 more tokens before it grows) whose steps of the
+        widths a round uses — 1 (backup, pre-glued), 2 (a probe's glue), K+1 (glue) and B (tree) — run compiled."""
+        if not self.config.compile_draft:
+            return DraftCache(self.model, rows, timer=self.clock)
+        k, branches = self.lookahead, self.config.branches
+        capacity = -(-(width + (k + 1) + k * branches + 256) // 256) * 256
+        backend, mode = self.config.compile_backend, default_compile(self.device)[1]
+        return DraftCache(self.model, rows, timer=self.clock, capacity=capacity,
+                          compiled=compiled_call(self.model, backend, mode if backend == "inductor" else None),
+                          compiled_widths=frozenset({1, 2, k + 1, branches}))
 
     def _top(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's top-W tokens, W = branches + 1 (enough for any fork after skipping s_{j+1})."""
