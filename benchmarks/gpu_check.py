@@ -108,7 +108,7 @@ def run_case(case: Case, target, draft, prompts: torch.Tensor, args, device) -> 
     elif case.method.startswith("ssd"):
         fields = dict(lookahead=case.lookahead, executor=case.executor, fanout_budget=args.fanout_budget)
         if case.compiled:
-            fields["compile_draft"] = True
+            fields.update(compile_draft=True, compile_backend=args.compile_backend)
         kwargs.update(assistant_model=draft, ssd_config=SSDConfig(**fields))
     try:
         seconds, out, metrics = [], None, None
@@ -221,6 +221,8 @@ def parse_args(argv=None):
     parser.add_argument("--sd-lookaheads", type=lambda s: [int(x) for x in s.split(",")], default=None)
     parser.add_argument("--draft-layers", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled-draft runs (the test suite uses aot_eager)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new runs after this long")
     args = parser.parse_args(argv)
     args.max_new_tokens = args.max_new_tokens or (16 if args.tiny else 128)

@@ -23,7 +23,6 @@ from hf_ssd.cache.draft_cache import DraftCache, StaticSlotsLayer
 from hf_ssd.cache.tree_attention import causal_visibility
 
 BACKEND = "aot_eager"
-ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
 
 
 def _config(executor: str, **overrides) -> SSDConfig:
@@ -33,7 +32,7 @@ def _config(executor: str, **overrides) -> SSDConfig:
     return SSDConfig(**fields)
 
 
-@pytest.mark.parametrize("arch, executor", zip(ARCHS, ["sync", "stream", "process", "stream"]))
+@pytest.mark.parametrize("arch, executor", [("llama", "sync"), ("qwen2_hybrid", "process")])
 def test_greedy_identical_with_a_compiled_draft(arch, executor):
     target, random_draft = tiny_pair(arch, seed=11)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(5))
@@ -76,7 +75,7 @@ def test_the_compiled_path_is_taken():
     finally:
         DraftCache.forward = original
     assert calls and all(static and compiled for static, compiled in calls)
-    assert "_hf_ssd_compiled" in draft.__dict__  # kept on the model for the next generation
+    assert not [k for k in draft.__dict__ if "compiled" in k]  # nothing attached: the draft still pickles
 
 
 def test_sampling_law_with_a_compiled_draft(models):  # noqa: F811

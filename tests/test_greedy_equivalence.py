@@ -30,8 +30,7 @@ CASES = [
     (3, [2, 1, 1, 2], 6, "random", "process"),
     (1, "uniform", 3, "auto", "process"),
     (2, "geometric", 6, "draft", "stream"),
-    (3, "uniform", 1, "ngram", "stream"),
-    (4, [1, 1, 2, 1, 3], 8, "random", "stream"),
+    (4, [1, 1, 2, 1, 3], 8, "ngram", "stream"),
 ]
 
 _PAIRS = {}

@@ -369,7 +369,6 @@ E2E_CONFIGS = [
     pytest.param("self", 2, 4, 0.05, "draft", "process", TEMPERATURE, id="self-C0.05-draft-process"),
     pytest.param("random", 2, 4, 0.5, "random", "process", WARPED, id="rand-C0.5-random-process-warped"),
     pytest.param("self", 2, 4, 0.3, "ngram", "stream", TEMPERATURE, id="self-C0.3-ngram-stream"),
-    pytest.param("random", 2, 4, 1.0, "draft", "stream", WARPED, id="rand-C1-draft-stream-warped"),
 ]
 
 

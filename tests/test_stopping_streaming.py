@@ -251,9 +251,9 @@ def test_min_new_tokens_defers_eos_like_plain(pair, plain, executor):
 @pytest.mark.parametrize("overrides", [
     {"use_cache": False},
     {"output_attentions": True, "return_dict_in_generate": True},
-    {"ssd_config": {"executor": "stream"}},
+    {"ssd_config": {"lookahead": 0}},
     {"batch": 2},
-], ids=["use_cache", "attentions", "stream", "batch"])
+], ids=["use_cache", "attentions", "bad_config", "batch"])
 def test_refused_call_ends_the_streamer(pair, plain, overrides):
     """generate() streams the prompt before SSD's checks run; a refusal must still end() the streamer, or a
     TextIteratorStreamer consumer waits forever."""

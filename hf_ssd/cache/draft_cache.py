@@ -218,13 +218,21 @@ class StaticSlotsLayer(DynamicLayer):
         return sum(t.numel() * t.element_size() for t in (self._keys, self._values) if t is not None)
 
 
+_COMPILED: dict = {}
+
+
+def _call(model: torch.nn.Module, kwargs: dict):
+    return model(**kwargs)
+
+
 def compiled_call(model: torch.nn.Module, backend: str, mode: str | None):
-    """`model`'s compiled `__call__` for (backend, mode), kept on the model (as transformers keeps its own): graphs
-    compiled in one generation serve the next."""
-    compiled = model.__dict__.setdefault("_hf_ssd_compiled", {})
-    if (backend, mode) not in compiled:
-        compiled[backend, mode] = torch.compile(model.__call__, backend=backend, mode=mode, dynamic=False)
-    return compiled[backend, mode]
+    """A callable running `model(**kwargs)` compiled with (backend, mode). One compiled function per (backend, mode)
+    takes the model as an argument (dynamo specialises on it): graphs compiled in one generation serve the next,
+    and nothing is attached to the model (it still pickles for the process executor, and is freed as usual)."""
+    if (backend, mode) not in _COMPILED:
+        _COMPILED[backend, mode] = torch.compile(_call, backend=backend, mode=mode, dynamic=False)
+    compiled = _COMPILED[backend, mode]
+    return lambda **kwargs: compiled(model, kwargs)
 
 
 def _recompile_limits():
