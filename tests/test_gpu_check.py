@@ -15,7 +15,8 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny", "--out",
-         str(tmp_path), "--batch-sizes", "1,2", "--max-new-tokens", "12", "--compile-backend", "aot_eager"],
+         str(tmp_path), "--batch-sizes", "1,2", "--max-new-tokens", "8", "--compile-backend", "aot_eager",
+         "--sd-lookaheads", "2"],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -27,9 +28,9 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         for batch in (1, 2):
             assert {("ar", batch, sampling), ("ssd-thread", batch, sampling), ("ssd-stream", batch, sampling),
                     ("ssd-process", batch, sampling), ("ssd-stream-compiled", batch, sampling)} <= methods
-        assert {("sd-k2", 1, sampling), ("sd-k4", 1, sampling), ("sd-default", 1, sampling)} <= methods
+        assert {("sd-k2", 1, sampling), ("sd-default", 1, sampling)} <= methods
     for r in report["results"]:
-        assert r["tok_s"] > 0 and r["new_tokens"] == 12 * r["batch"]
+        assert r["tok_s"] > 0 and r["new_tokens"] == 8 * r["batch"]
         if not r["sampling"] and r["method"] != "ar":
             assert r["identical_rows"] == 1.0, r["key"]  # greedy: exactly AR's tokens
         if r["method"].startswith("ssd"):
