@@ -19,6 +19,7 @@ from transformers.generation.candidate_generator import (
 
 __all__ = [
     "attn_implementation",
+    "auto_compiled_forward",
     "cache_kwarg",
     "is_stateful",
     "model_kwargs_cache_key",
@@ -68,3 +69,12 @@ def output_cache(outputs):
     """The cache returned by a forward pass, under either name."""
     cache = getattr(outputs, "cache", None)
     return cache if cache is not None else getattr(outputs, "past_key_values", None)
+
+
+def auto_compiled_forward(model, model_kwargs: dict, generation_config):
+    """The target's compiled forward when transformers' generate() would compile it (a compileable cache such as
+    `StaticCache`, on a GPU or with `compile_config._compile_all_devices`, `disable_compile` not set), else None."""
+    criteria = getattr(model, "_valid_auto_compile_criteria", None)
+    if criteria is None or not criteria(model_kwargs, generation_config):
+        return None
+    return model.get_compiled_call(generation_config.compile_config)

@@ -235,9 +235,10 @@ def compiled_call(model: torch.nn.Module, backend: str, mode: str | None):
     return lambda **kwargs: compiled(model, kwargs)
 
 
-def _recompile_limits():
-    """Room for every static shape a generation meets (widths 1, 2, K+1, B at each batch size as rows finish) without
-    falling back to eager: torch's default allows 8 per function."""
+def recompile_limits():
+    """Room for every static shape a generation meets (the draft: widths 1, 2, K+1, B at each batch size as rows
+    finish; the target: K+1 for each K the adaptive lookahead picks) without falling back to eager: torch's default
+    allows 8 per function."""
     return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024)
 
 
@@ -352,7 +353,7 @@ class DraftCache:
                       logits_to_keep=logits_to_keep, **{self._cache_kwarg: self.kv})
         call, limits = self.model, contextlib.nullcontext()
         if self.compiled is not None and tokens.shape[1] in self.compiled_widths and len(self) > 0:
-            call, limits = self.compiled, _recompile_limits()
+            call, limits = self.compiled, recompile_limits()
             kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             self.compiled_calls += 1
         with limits, self.timer(f"{phase}_forward") if self.timer is not None else contextlib.nullcontext():

@@ -90,6 +90,14 @@ def check_supported(model, assistant_model, input_ids, generation_config, synced
         )
     if model_kwargs_cache_key(model_kwargs) is None:
         raise ValueError("SSD needs the target's KV cache: do not pass `use_cache=False`.")
+    cache = model_kwargs.get(model_kwargs_cache_key(model_kwargs))
+    if cache is not None and input_ids.shape[0] == 1 and not getattr(cache, "is_croppable", True):
+        layers = sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])})
+        raise ValueError(
+            f"SSD crops the target's cache after every verification; this {type(cache).__name__} has layers that "
+            f"cannot be cropped ({', '.join(layers)}: e.g. static sliding-window layers). Use the default dynamic "
+            "cache, or a static cache on a model without sliding-window layers."
+        )
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("SSD needs `input_ids`; `inputs_embeds` prompts are not supported.")
 

@@ -52,7 +52,7 @@ def ssd_decoding(
     target_generator = _seeded_generator(input_ids.device) if do_sample else None
     request = _draft_request(config, do_sample, logits_processor, model_vocab_size(model))
     batch = Batch(input_ids, stopping_criteria, generation_config)
-    target = TargetBatch(model, input_ids, model_kwargs, logits_processor)
+    target = TargetBatch(model, input_ids, model_kwargs, logits_processor, generation_config)
     recorder, backups = MetricsRecorder(config.lookahead), AutoBackup(config.backup)
     target_threads = request.target_threads if kind != "sync" else torch.get_num_threads()
     policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,

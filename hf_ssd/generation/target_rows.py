@@ -12,7 +12,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..cache.alignment import compact, gather_slots, keep_leading
+from ..cache.draft_cache import recompile_limits
 from ..compat import (
+    auto_compiled_forward,
     model_kwargs_cache_key,
     output_cache,
     prepare_attention_mask,
@@ -29,8 +31,10 @@ class TargetBatch:
     """The target's view of the active rows: left-padded ids right-aligned to a common edge (`ids` [b, T]), their
     2D inputs and KV cache (`kwargs`). Invariant between rounds: the cache holds T - 1 positions per row."""
 
-    def __init__(self, model, input_ids: torch.Tensor, model_kwargs: dict, logits_processor):
+    def __init__(self, model, input_ids: torch.Tensor, model_kwargs: dict, logits_processor, generation_config=None):
         self.model = model
+        self.generation_config = generation_config
+        self._compiled = None  # the compiled forward of a compileable cache (see `auto_compiled_forward`)
         self.cache_key = model_kwargs_cache_key(model_kwargs)
         if input_ids.shape[0] > 1:
             # Full layers (sliding windows still apply through the 2D mask); realigned every round.
@@ -92,7 +96,11 @@ class TargetBatch:
         )
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = length + 1
-        outputs = self.model(**inputs)
+        if self.first or self._compiled is None:
+            outputs = self.model(**inputs)  # the prefill (variable width) always eagerly, as generate() does
+        else:
+            with recompile_limits():  # one graph per verified width
+                outputs = self._compiled(**inputs)
         raw = outputs.logits[:, -length - 1 :].to(dtype=torch.float32, device=self.ids.device)
         return outputs, kwargs, raw
 
@@ -116,6 +124,8 @@ class TargetBatch:
             committed = torch.cat([self.ids, new_tokens], dim=1)
             self.ids = realign_rows(cache, kwargs, committed, keep, [width + e for e in emitted])
         self.kwargs = kwargs
+        if self.first and self.generation_config is not None and len(keep) == 1 == len(emitted):  # batch 1: its cache
+            self._compiled = auto_compiled_forward(self.model, kwargs, self.generation_config)
         self.first = False
         self._outputs = self._extended = None
 
