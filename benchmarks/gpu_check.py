@@ -11,6 +11,16 @@ executor with the draft compiled and not), at b = 1 and 4, greedy and T = 0.7, i
 fit is listed as skipped). Written to --out: gpu_check.json and gpu_check.md with tok/s, ratios to AR and to SD's
 best, exactness against AR (greedy), the target's idle fraction and the draft's overlap, the per-round breakdown
 and peak memory.
+
+On the workplace's device machine (torch 2.11, transformers 5.17, no network; hf_ssd needs transformers >= 5.23;
+its other needs, huggingface_hub 1.33, tokenizers 0.23.2, safetensors 0.8, accelerate 1.15, are there), bring the
+transformers wheel along (11 MB):
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
+    # device run, carry [".whl"], timeout_s 540:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT --budget-s 420
 """
 
 from __future__ import annotations
