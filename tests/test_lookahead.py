@@ -350,7 +350,7 @@ def law_models():
 @pytest.mark.parametrize("draft, c, backup, executor, sampling", [
     pytest.param("self", 0.3, "draft", "sync", TEMPERATURE, id="self-C0.3-draft-sync"),
     pytest.param("random", 1.0, "ngram", "thread", WARPED, id="rand-C1-ngram-thread-warped"),
-    pytest.param("self", 1.0, "random", "process", TEMPERATURE, id="self-C1-random-process"),
+    pytest.param("self", 1.0, "random", "stream", TEMPERATURE, id="self-C1-random-stream"),
 ])
 def test_sampling_law_while_k_changes(law_scripted, law_models, draft, c, backup, executor, sampling):
     """4 new tokens per sample: the scripted rounds verify 2, 0, 1, 3 tokens (as far as the sample goes), so
