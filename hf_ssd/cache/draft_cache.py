@@ -257,9 +257,13 @@ class DraftCache:
     """
 
     def __init__(self, model: torch.nn.Module, rows: int = 1, timer=None, capacity: int | None = None,
-                 compiled=None, compiled_widths: frozenset[int] = frozenset()):
+                 compiled=None, compiled_widths: frozenset[int] = frozenset(), vocab_size: int | None = None,
+                 model_vocab_size: int | None = None):
         self.model = model
         self.device = model.device
+        # The target's vocabulary (what logits are returned over) and the draft's own rows; they differ only by
+        # embedding padding (e.g. Qwen2.5-7B's 152,064 against 0.5B's 151,936, one tokenizer): see `_fit`.
+        self.vocab_size, self.model_vocab_size = vocab_size, model_vocab_size
         self.capacity = capacity  # None: growing layers; else fixed-capacity layers (static shapes)
         self.kv = DynamicCache()
         if capacity is None:
@@ -336,7 +340,9 @@ class DraftCache:
         phase: str = "draft",
     ) -> torch.Tensor:
         """Append N tokens per row ([b, N]) at logical `positions` [b, N]; `visible` is [b, N, len(self)+N];
-        `valid` [b, N] marks real tokens (default all). Returns logits [b, N', V]."""
+        `valid` [b, N] marks real tokens (default all). Returns logits [b, N', V] over the target's vocabulary."""
+        if (self.model_vocab_size or 0) < (self.vocab_size or 0):
+            tokens = tokens.clamp_max(self.model_vocab_size - 1)  # a padding id the draft has no row for
         key_pos = torch.cat([self.positions, positions], dim=1)
         mask_visible, mask_key_pos = visible, key_pos
         if self.capacity is not None:  # static shapes: masks over the whole capacity, unwritten slots masked
@@ -364,4 +370,14 @@ class DraftCache:
         self.positions = key_pos
         new_valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
         self.valid = torch.cat([self.valid, new_valid], dim=1)
-        return out.logits
+        return self._fit(out.logits)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary: the draft's padding rows beyond it dropped; ids only the target
+        has (its padding) never drafted (their q is 0)."""
+        if self.vocab_size is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        if logits.shape[-1] > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        missing = logits.new_full((*logits.shape[:-1], self.vocab_size - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, missing], dim=-1)

@@ -124,7 +124,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.lookahead = ssd_config.lookahead
         self.do_sample = do_sample
         self.warpers = sampling_warpers(logits_processor)
-        self.vocab_size = vocab_size or model_vocab_size(draft_model)
+        self.draft_vocab_size = model_vocab_size(draft_model)  # may differ from the target's by padding only
+        self.vocab_size = vocab_size or self.draft_vocab_size
         self.estimator = FanoutEstimator.from_config(ssd_config, self.vocab_size)
         self.device = draft_model.device
         if seed is None:
@@ -231,14 +232,15 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         """The draft's KV for `rows` prompts of `width` slots: growing layers, or with `compile_draft` fixed-capacity
         ones (room for the prompt, a round's glue and tree and 256 more tokens before it grows) whose steps of the
         widths a round uses — 1 (backup, pre-glued), 2 (a probe's glue), K+1 (glue) and B (tree) — run compiled."""
+        vocab = dict(vocab_size=self.vocab_size, model_vocab_size=self.draft_vocab_size)
         if not self.config.compile_draft:
-            return DraftCache(self.model, rows, timer=self.clock)
+            return DraftCache(self.model, rows, timer=self.clock, **vocab)
         k, branches = self.lookahead, self.config.branches
         capacity = -(-(width + (k + 1) + k * branches + 256) // 256) * 256
         backend, mode = self.config.compile_backend, default_compile(self.device)[1]
         return DraftCache(self.model, rows, timer=self.clock, capacity=capacity,
                           compiled=compiled_call(self.model, backend, mode if backend == "inductor" else None),
-                          compiled_widths=frozenset({1, 2, k + 1, branches}))
+                          compiled_widths=frozenset({1, 2, k + 1, branches}), **vocab)
 
     def _top(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's top-W tokens, W = branches + 1 (enough for any fork after skipping s_{j+1})."""

@@ -45,13 +45,33 @@ def check_processors(logits_processor) -> None:
             )
 
 
-def check_vocabulary(model, assistant_model) -> None:
-    """The draft must score the target's vocabulary: SSD exchanges token ids and distributions, never text."""
+def check_vocabulary(model, assistant_model, tokenizer=None, assistant_tokenizer=None) -> None:
+    """The draft must score the target's vocabulary: SSD exchanges token ids and distributions, never text.
+
+    Vocabularies that differ only by embedding padding (Qwen2.5-7B's 152,064 rows against Qwen2.5-0.5B's 151,936,
+    one tokenizer of 151,665 tokens) are accepted when the tokenizers passed to generate() (`tokenizer=`,
+    `assistant_tokenizer=`, as transformers asks for drafts of another size) have the same vocabulary and fit in
+    both models: ids only the target has are never drafted (q = 0), ids only the draft has are never proposed."""
     target_vocab, draft_vocab = model_vocab_size(model), model_vocab_size(assistant_model)
-    if target_vocab != draft_vocab:
+    if target_vocab == draft_vocab:
+        return
+    if tokenizer is None or assistant_tokenizer is None:
         raise ValueError(
             f"SSD needs the draft to share the target's vocabulary; the target scores {target_vocab} tokens and the "
-            f"draft {draft_vocab}."
+            f"draft {draft_vocab}. Vocabularies that differ only by embedding padding (e.g. Qwen2.5-7B and "
+            "Qwen2.5-0.5B) are accepted when their tokenizers agree: pass tokenizer= and assistant_tokenizer= to "
+            "generate() so SSD can check them."
+        )
+    if tokenizer.get_vocab() != assistant_tokenizer.get_vocab():
+        raise ValueError(
+            "The target's and the draft's tokenizers differ: SSD needs one shared vocabulary. For drafts with another "
+            "tokenizer use transformers' universal assisted decoding (generate() without ssd_config)."
+        )
+    real = len(tokenizer)
+    if real > min(target_vocab, draft_vocab):
+        raise ValueError(
+            f"The tokenizer has {real} tokens but the target scores {target_vocab} and the draft scores "
+            f"{draft_vocab}: the smaller model cannot score every token, so this is not embedding padding."
         )
 
 
@@ -70,7 +90,6 @@ def check_supported(model, assistant_model, input_ids, generation_config, synced
         )
     if input_ids.shape[0] > 1:
         check_batchable(input_ids, generation_config, model_kwargs)
-    check_vocabulary(model, assistant_model)
     if synced_gpus:
         raise ValueError("SSD does not support `synced_gpus=True`.")
     if generation_config.output_attentions or generation_config.output_hidden_states:

@@ -47,7 +47,7 @@ def _check_request(model, assistant_model, extra: dict, merged: GenerationConfig
         if extra.get(name, getattr(merged, name, None)) is not None:
             raise ValueError(f"`{name}` selects another candidate generator; it cannot be combined with SSD.")
     # Before transformers' own check, whose message points to universal assisted decoding (not SSD's).
-    check_vocabulary(model, assistant_model)
+    check_vocabulary(model, assistant_model, extra.get("tokenizer"), extra.get("assistant_tokenizer"))
 
 
 class SSDGenerationMixin:

@@ -64,7 +64,7 @@ class TargetBatch:
 
         `generator` is None under greedy decoding; `cores` is entered around the first forward (the prefill)."""
         device = self.ids.device
-        tokens = torch.stack([row.speculation.tokens[:verified] for row in batch.active]).to(device)
+        tokens = _arrive(torch.stack([row.speculation.tokens[:verified] for row in batch.active]), device)
         start = time.perf_counter()
         with phases("target_forward"), (cores() if self.first else contextlib.nullcontext()):
             self._outputs, self._extended, raw = self._forward(tokens)
@@ -76,7 +76,7 @@ class TargetBatch:
         with phases("verify"):
             q = None
             if generator is not None and verified:
-                q = torch.stack([row.speculation.probs[:verified] for row in batch.active]).to(scores.device)
+                q = _arrive(torch.stack([row.speculation.probs[:verified] for row in batch.active]), scores.device)
             elif generator is not None:  # a plain step: nothing drafted, the token is drawn from p
                 q = scores.new_zeros(scores.shape[0], 0, scores.shape[-1])
             accepted, bonus = accept(tokens, scores, q, generator)
@@ -128,6 +128,14 @@ class TargetBatch:
             self._compiled = auto_compiled_forward(self.model, kwargs, self.generation_config)
         self.first = False
         self._outputs = self._extended = None
+
+
+def _arrive(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The draft's tokens or q on the target's device: a non-blocking copy onto an accelerator (queued on the
+    target's stream behind the hand-off's event wait), a plain one onto the CPU (whose reader does not wait)."""
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=torch.device(device).type not in ("cpu", "meta"))
 
 
 def _uncached_length(kwargs, input_ids, candidate_ids) -> int | None:
