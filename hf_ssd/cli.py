@@ -117,12 +117,50 @@ def _load_pair(args):
     return target, draft, AutoTokenizer.from_pretrained(target_path)
 
 
+class _TokenBar:
+    """A tqdm bar over one generate() call, fed by its streamer at batch 1 (transformers streams batch 1 only);
+    at batch > 1 the bar completes when the call returns."""
+
+    def __init__(self, desc: str, total: int, rows: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total * rows, desc=desc, unit="tok", leave=False, file=sys.stderr)
+        self.rows, self._prompt = rows, True
+
+    def streamer(self):
+        return self if self.rows == 1 else None
+
+    def put(self, value) -> None:  # transformers' streamer protocol: the prompt first, then each emission
+        if self._prompt:
+            self._prompt = False
+            return
+        self.bar.update(int(value.numel()))
+
+    def end(self) -> None:
+        self._prompt = True  # the next generate() call (assisted decoding runs rows one by one) streams its prompt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.update(self.bar.total - self.bar.n)
+        self.bar.close()
+
+
+class _QuietAssistantConfig:
+    """Drop transformers' notice about its own assistant call (it passes a generation_config together with
+    generation arguments to the draft's generate(), inside assisted generation): nothing the demo can change."""
+
+    def filter(self, record) -> bool:
+        return "Passing `generation_config` together with" not in record.getMessage()
+
+
 @command("demo", "run SSD next to plain greedy decoding and check the output is identical", _demo_arguments)
 def demo(args) -> int:
     import torch
 
     from . import SSDConfig, enable_ssd
-    from .precision import apply_precision
+    from .precision import apply_precision, count_parameters
 
     target, draft, tokenizer = _load_pair(args)
     if draft is target and args.draft_precision != args.target_precision:
@@ -140,30 +178,42 @@ def demo(args) -> int:
     )
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, **{k: v for k, v in inputs.items()
                                                                          if k != "input_ids"})
-    target.generate(input_ids, **{**common, "max_new_tokens": 4})  # warm-up
+    import logging
+
+    from tqdm.auto import tqdm
+
+    logging.getLogger("transformers.generation.utils").addFilter(_QuietAssistantConfig())
+    rows = input_ids.shape[0]
+    with _TokenBar("warm-up", 4, rows) as bar:
+        target.generate(input_ids, streamer=bar.streamer(), **{**common, "max_new_tokens": 4})
     worker_s = None
     if config.executor in ("auto", "process") and draft.device.type == "cpu":
         from .runtime import start_draft_worker
         from .runtime.pool import shareable
 
         if shareable(draft) is None:  # the draft's worker process, started once (auto then uses it)
-            worker_s = start_draft_worker(draft)
-    start = time.perf_counter()
-    plain = target.generate(input_ids, **common)
-    plain_s = time.perf_counter() - start
+            with tqdm(total=1, desc="starting the draft's worker process", leave=False, file=sys.stderr) as bar:
+                worker_s = start_draft_worker(draft)
+                bar.update(1)
+    with _TokenBar("plain greedy", args.max_new_tokens, rows) as bar:
+        start = time.perf_counter()
+        plain = target.generate(input_ids, streamer=bar.streamer(), **common)
+        plain_s = time.perf_counter() - start
     draft.generation_config.num_assistant_tokens = config.lookahead
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
     # transformers' assisted generation runs batch size 1: the rows one after another
-    start = time.perf_counter()
     mask = inputs.get("attention_mask")
-    assisted = [target.generate(row[None] if mask is None else row[mask[i].bool()][None], assistant_model=draft,
-                                max_new_tokens=args.max_new_tokens, do_sample=False)
-                for i, row in enumerate(input_ids)]
-    assisted_s = time.perf_counter() - start
-    start = time.perf_counter()
-    ssd = target.generate(input_ids, assistant_model=draft, ssd_config=config, **common)
-    ssd_s = time.perf_counter() - start
+    with _TokenBar(f"transformers assisted (K={config.lookahead})", args.max_new_tokens, rows) as bar:
+        start = time.perf_counter()
+        assisted = [target.generate(row[None] if mask is None else row[mask[i].bool()][None], assistant_model=draft,
+                                    max_new_tokens=args.max_new_tokens, do_sample=False, streamer=bar)
+                    for i, row in enumerate(input_ids)]
+        assisted_s = time.perf_counter() - start
+    with _TokenBar("SSD", args.max_new_tokens, rows) as bar:
+        start = time.perf_counter()
+        ssd = target.generate(input_ids, assistant_model=draft, ssd_config=config, streamer=bar.streamer(), **common)
+        ssd_s = time.perf_counter() - start
     metrics = target.ssd_metrics
     width = input_ids.shape[1]
     eos = target.generation_config.eos_token_id
@@ -178,8 +228,9 @@ def demo(args) -> int:
     ssd_new = new_tokens(ssd[:, width:].tolist())
     rows_alike = sum(torch.equal(p, s) for p, s in zip(plain, ssd))
     assisted_alike = torch.equal(assisted[0], plain) if args.batch_size == 1 else None
-    print(f"target: {type(target).__name__} {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params; "
-          f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params; batch size {args.batch_size}")
+    print(f"target: {type(target).__name__} {count_parameters(target) / 1e6:.1f}M params "
+          f"({args.target_precision}); draft: {count_parameters(draft) / 1e6:.1f}M params ({args.draft_precision}); "
+          f"batch size {args.batch_size}")
     print(f"config: {config.to_json_string()}; SSD ran on executor {metrics.executor!r}"
           + (f" (its worker process started in {worker_s:.1f}s, once per interpreter)" if worker_s else ""))
     batch_note = " (batched)" if args.batch_size > 1 else ""

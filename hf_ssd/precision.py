@@ -32,3 +32,14 @@ def apply_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
         warnings.simplefilter("ignore")  # torch.ao's deprecation notice
         quantized = torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
     return quantized.eval()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Weights of `model`, quantized layers included (a dynamically quantized Linear keeps its weight and bias in
+    packed params, which `model.parameters()` does not list)."""
+    total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            weight, bias = module._weight_bias()
+            total += weight.numel() + (bias.numel() if bias is not None else 0)
+    return total

@@ -429,11 +429,25 @@ def test_continue_from_returned_cache(pair, executor):
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_cli_demo_runs_and_checks_identity(capsys, batch_size):
     """`hf-ssd demo` (random pair, no downloads) exits 0 only when SSD matched plain greedy on every row."""
+    import logging
+
     from hf_ssd.cli import main
 
-    assert main(["demo", "--max-new-tokens", "8", "--batch-size", str(batch_size), "--executor", "sync"]) == 0
-    out = capsys.readouterr().out
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        assert main(["demo", "--max-new-tokens", "8", "--batch-size", str(batch_size), "--executor", "sync"]) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    captured = capsys.readouterr()
+    out = captured.out
     assert f"SSD identical to plain greedy: {batch_size}/{batch_size} rows" in out and "tok/s" in out
+    assert "params (fp32)" in out and "params (int8)" in out
+    assert "10.0M params (int8)" in out  # the int8 draft's quantized layers are counted
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]  # no third-party warnings
+    assert all(f"{step}:" in captured.err for step in ("plain greedy", "SSD"))  # a progress bar per step
 
 
 def test_an_ssd_enabled_model_pickles_and_deepcopies(pair):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_pair
+from conftest import tiny_model, tiny_pair
 
 from hf_ssd import SSDConfig
-from hf_ssd.precision import apply_precision
+from hf_ssd.precision import apply_precision, count_parameters
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
@@ -29,3 +29,11 @@ def test_precision_validation():
     assert apply_precision(target, "fp32") is target
     with pytest.raises(ValueError, match="precision='bf16' is invalid"):
         apply_precision(target, "bf16")
+
+
+def test_parameter_counts_include_quantized_layers():
+    model = tiny_model("llama", layers=2, seed=0)
+    full = sum(p.numel() for p in model.parameters())
+    quantized = apply_precision(tiny_model("llama", layers=2, seed=0), "int8")
+    assert sum(p.numel() for p in quantized.parameters()) < full  # what transformers' own count would say
+    assert count_parameters(quantized) == count_parameters(model) == full
