@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install --quiet -e ".[dev]"
 	touch $@
 
-.PHONY: setup demo test test-compat lint
+.PHONY: setup demo test test-compat lint docs
 setup: $(VENV)/.installed
 
 # The oldest supported transformers release, for a compatibility run of the core tests.
@@ -44,3 +44,7 @@ test-compat: $(COMPAT_VENV)/.installed
 
 lint: setup
 	$(VENV)/bin/ruff check hf_ssd tests benchmarks
+
+# The documentation site (mkdocs-material + mkdocstrings), built strictly into site/: open site/index.html.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
