@@ -35,10 +35,16 @@ def apply_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Weights of `model`, quantized layers included (a dynamically quantized Linear keeps its weight and bias in
-    packed params, which `model.parameters()` does not list)."""
+    """The model's parameter count as its architecture has it, quantized layers included (a dynamically quantized
+    Linear keeps its weight and bias in packed params, which `model.parameters()` does not list; a quantized head
+    tied to the input embeddings is that one matrix, counted once)."""
     total = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) if config is not None else False
     for module in model.modules():
+        if tied and module is head:
+            continue
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
             weight, bias = module._weight_bias()
             total += weight.numel() + (bias.numel() if bias is not None else 0)

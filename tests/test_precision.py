@@ -37,3 +37,7 @@ def test_parameter_counts_include_quantized_layers():
     quantized = apply_precision(tiny_model("llama", layers=2, seed=0), "int8")
     assert sum(p.numel() for p in quantized.parameters()) < full  # what transformers' own count would say
     assert count_parameters(quantized) == count_parameters(model) == full
+    tied = tiny_model("qwen2", layers=2, seed=0, tie_word_embeddings=True)
+    tied_count = sum(p.numel() for p in tied.parameters())  # the shared matrix once
+    assert count_parameters(apply_precision(tied, "int8")) == tied_count
+
