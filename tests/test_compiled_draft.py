@@ -46,16 +46,17 @@ def test_greedy_identical_with_a_compiled_draft(arch, executor):
 
 
 def test_batch_with_finishing_rows_and_adaptive_lookahead():
-    """Rows finish at different rounds (the batch shrinks: new static shapes), the lookahead changes per round
-    (plain steps, pauses, resumes: glue widths other than K+1 run eagerly), and the cache grows past its first
-    capacity."""
-    target, draft = tiny_pair("llama", seed=12, eos_token_id=7)
+    """Rows finish at different rounds (the batch shrinks: new static shapes) and the lookahead changes per round
+    (plain steps, pauses, resumes: glue widths other than K+1 run eagerly). (Growth past the first capacity:
+    `test_static_slots_match_growing_layers`.)"""
+    target, draft = tiny_pair("llama", seed=12, eos_token_id=83)  # rows 0 and 1 stop at tokens 34 and 17
     ids = torch.randint(8, 96, (3, 6), generator=torch.Generator().manual_seed(2))
-    expected = target.generate(ids, max_new_tokens=300, do_sample=False, pad_token_id=0)
-    for assistant in (target, draft):
-        out = target.generate(ids, assistant_model=assistant, max_new_tokens=300, do_sample=False, pad_token_id=0,
-                              ssd_config=_config("thread", lookahead_schedule="adaptive"))
-        assert torch.equal(out, expected)
+    expected = target.generate(ids, max_new_tokens=60, do_sample=False, pad_token_id=0)
+    finished = [(row[6:] == 83).any().item() for row in expected]
+    assert any(finished) and not all(finished)  # rows end at different rounds
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=60, do_sample=False, pad_token_id=0,
+                          ssd_config=_config("thread", lookahead_schedule="adaptive"))
+    assert torch.equal(out, expected)
 
 
 def test_the_compiled_path_is_taken():
