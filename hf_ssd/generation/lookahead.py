@@ -158,7 +158,11 @@ class LookaheadPolicy:
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
 
     # --- the cost model ----------------------------------------------------------------------------------------
-    def verify_seconds(self, k: int) -> float | None:
+    def times(self) -> dict[int, float]:
+        """T_v per K known now: this call's measurements over the remembered ones (scaled to this call)."""
+        return {**self._remembered(), **{n: e.value for n, e in self.verify.items()}}
+
+    def verify_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
         """T_v(k): measured (in this call, or in earlier ones on this target: `LookaheadMemory`, scaled to this
         call), else from the measured ones and the cost curve's shape (see `shape`).
 
@@ -167,7 +171,7 @@ class LookaheadPolicy:
         positions slower than 5 with oneDNN). Above the largest: the line through the two largest, or the prior
         shape from one. The plain step (K = 0), until measured while the draft is paused: the most optimistic of
         the measured ones scaled by the prior shape, so that it gets tried."""
-        measured = {**self._remembered(), **{n: e.value for n, e in self.verify.items()}}
+        measured = self.times() if measured is None else measured
         if not measured:
             return None
         if k in measured:
@@ -209,10 +213,10 @@ class LookaheadPolicy:
         extra position."""
         return 1.0 if k == 0 else self.jump + self.slope * (k - 1)
 
-    def round_seconds(self, k: int) -> float | None:
+    def round_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
         """R(k): the verification, beside (or after) the draft's round, the loop's overhead and the expected backup
         time of a miss; a plain step has neither draft work nor lookups (the draft pauses when plain steps win)."""
-        verify = self.verify_seconds(k)
+        verify = self.verify_seconds(k, measured)
         if verify is None:
             return None
         if k == 0:
@@ -262,9 +266,10 @@ class LookaheadPolicy:
             self._record(limit, None, "constant")
             return limit
         acceptance = self.acceptance.estimates()
+        table = self.times()  # once per decision: every K's cost derives from it
         speeds = {}
         for k in range(self.k_max + 1):
-            seconds = self.round_seconds(k)
+            seconds = self.round_seconds(k, table)
             if seconds is not None and seconds > 0:
                 speeds[k] = expected_tokens(acceptance, k) / seconds
         if self._rounds == 0:  # the first round holds the prefill and its speculation is the first sample: K_max
@@ -280,7 +285,7 @@ class LookaheadPolicy:
         self._wanted = _best(speeds)
         speeds = {k: v for k, v in speeds.items() if k <= limit}
         best = _best(speeds)
-        known = set(self.verify) | set(self._remembered())
+        known = set(table)
         unmeasured = [k for k in speeds if k not in known and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
         if unmeasured:
             choice = max(unmeasured, key=speeds.get)
@@ -295,7 +300,8 @@ class LookaheadPolicy:
                  "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
         if speeds:
             entry["tok_s"] = {n: round(v, 2) for n, v in speeds.items()}
-            entry["verify_ms"] = {n: round(1e3 * (self.verify_seconds(n) or 0.0), 2) for n in speeds}
+            table = self.times()
+            entry["verify_ms"] = {n: round(1e3 * (self.verify_seconds(n, table) or 0.0), 2) for n in speeds}
             entry["draft_ms"] = round(1e3 * (self.draft.value or 0.0), 2)
             entry["overhead_ms"] = round(1e3 * (self.overhead.value or 0.0), 2)
             entry["hit_rate"] = None if self.hit_rate.value is None else round(self.hit_rate.value, 3)
