@@ -135,32 +135,16 @@ class StaticSlotsLayer(DynamicLayer):
     is_compileable = True
 
     def __init__(self, capacity: int, **kwargs):
-        self._keys = self._values = self._next = None
         self.capacity_slots = capacity
         self.length = 0
         super().__init__(**kwargs)
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._keys = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._values
-
-    @values.setter
-    def values(self, value) -> None:
-        self._values = value
+        self.keys = self.values = self._next = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         b, h, _, d = key_states.shape
-        self._keys = key_states.new_zeros(b, h, self.capacity_slots, d)
-        self._values = value_states.new_zeros(b, value_states.shape[1], self.capacity_slots, value_states.shape[-1])
+        self.keys = key_states.new_zeros(b, h, self.capacity_slots, d)
+        self.values = value_states.new_zeros(b, value_states.shape[1], self.capacity_slots, value_states.shape[-1])
         self._next = torch.zeros((), dtype=torch.long, device=self.device)
         self.length = 0
         self.is_initialized = True
@@ -168,17 +152,17 @@ class StaticSlotsLayer(DynamicLayer):
 
     def _mark_static(self) -> None:
         if not torch.compiler.is_compiling():
-            for tensor in (self._keys, self._values, self._next):
+            for tensor in (self.keys, self.values, self._next):
                 torch._dynamo.mark_static_address(tensor)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         slots = self._next + torch.arange(key_states.shape[-2], device=self.device)
-        self._keys.index_copy_(2, slots, key_states)
-        self._values.index_copy_(2, slots, value_states)
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
         self._next.add_(key_states.shape[-2])
-        return self._keys, self._values
+        return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self.length
@@ -192,8 +176,8 @@ class StaticSlotsLayer(DynamicLayer):
 
     def grow(self, capacity: int) -> None:
         """Move to larger buffers (a new shape: compiled steps specialise again)."""
-        if self._keys is not None and capacity > self.capacity_slots:
-            for name in ("_keys", "_values"):
+        if self.keys is not None and capacity > self.capacity_slots:
+            for name in ("keys", "values"):
                 old = getattr(self, name)
                 new = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
                 new[..., : self.length, :] = old[..., : self.length, :]
@@ -202,20 +186,20 @@ class StaticSlotsLayer(DynamicLayer):
         self.capacity_slots = max(capacity, self.capacity_slots)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        if self._keys is not None:
-            self._keys = self._keys.index_select(0, rows)
-            self._values = self._values.index_select(0, rows)
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, rows)
+            self.values = self.values.index_select(0, rows)
             self._mark_static()
 
     def keep_tail(self, start: int, index: torch.Tensor) -> None:
-        for buffer in (self._keys, self._values):
+        for buffer in (self.keys, self.values):
             tail = gather_slots(buffer[..., start : self.length, :], index, -2)
             buffer[..., start : start + index.shape[1], :] = tail
         self.length = start + index.shape[1]
         self._next.fill_(self.length)
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._keys, self._values) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
 
 _COMPILED: dict = {}
