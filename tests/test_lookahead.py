@@ -57,10 +57,10 @@ def _drive(policy, rounds: int, accept_all: bool, verify_ms=lambda k: 10.0 * (1 
     depth = policy._depth_for_tests if hasattr(policy, "_depth_for_tests") else policy.k_max
     for _ in range(rounds):
         k = policy.choose(depth)
+        new_depth = policy.depth(k)  # as in the decoding loop: chosen before this round's verification is scored
         accepted = k if accept_all else 0
         nxt = k + 1 if accept_all else 0  # the token after the accepted ones: the draft's own (s_{k+1}) or not
         policy.observe_verification([_row(depth)], _verdict(k, accepted, nxt))
-        new_depth = policy.depth(k)
         drafted = draft_ms if depth else 0.0
         timings = DraftTimings(timings.prepare_calls + int(depth > 0), timings.prepare_seconds + drafted / 1e3)
         verify = verify_ms(k) + (contention_ms if new_depth else 0.0)
@@ -87,15 +87,19 @@ def test_policy_speculates_deep_when_the_draft_is_accepted(clock):
 
 def test_policy_falls_back_to_plain_steps_pauses_and_returns(clock):
     """A useless draft: verifying costs more than it brings, the policy verifies 0 tokens (plain target steps);
-    after two of them the draft pauses (depth 0) but for a probe every PROBE_EVERY rounds; when the probes'
-    tokens start to be accepted (the text became predictable), it speculates again."""
+    after two of them the draft pauses (depth 0) but for probes, rarer each time one is rejected; when the probes'
+    tokens start to be accepted (the text became predictable), a trial round verifies a whole speculation and the
+    policy speculates again — within one probe interval, a chain and the trial."""
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True)
     ks = _drive(policy, 30, accept_all=False, clock=clock)
     assert ks[-10:] == [0] * 10
     assert 0 in policy.verify and policy.trace[-1]["acceptance"][0] < 0.2  # samples only from probes now
-    depths = [entry["depth"] for entry in policy.trace[-16:]]
-    assert depths.count(0) >= 12 and 1 in depths  # paused, with probes
-    ks = _drive(policy, 3 * lookahead_module.PROBE_EVERY, accept_all=True, clock=clock)
+    depths = [entry["depth"] for entry in policy.trace]
+    probes = [i for i in range(3, len(depths)) if depths[i] == 1]
+    assert len(probes) >= 2 and probes[1] - probes[0] > lookahead_module.PROBE_EVERY  # paused, probes backing off
+    rounds = lookahead_module.PROBE_MAX + 2 * (lookahead_module.PROBE_CHAIN + 3) + 2
+    ks = _drive(policy, rounds, accept_all=True, clock=clock)
+    assert any(entry["why"] == "trial" for entry in policy.trace[30:])
     assert 0 not in ks[-4:] and ks[-1] == 4  # back to speculating, deep
 
 
@@ -175,15 +179,21 @@ def test_an_explored_plain_step_pauses_the_draft_so_it_is_timed_once(clock):
     assert ks[-6:] == [0] * 6
 
 
-def test_accepted_probes_chain_but_not_forever(clock):
-    """Probes whose tokens are accepted are repeated next round (the text may have become predictable), but at
-    most PROBE_CHAIN in a row while plain steps still win (here: speculation costs 20x a plain step)."""
+def test_accepted_probes_lead_to_trials_that_back_off(clock):
+    """Probes whose tokens come back accepted are repeated (each once its sample is back, two rounds later: never
+    one every other round for good, as a chain reset by the rounds in between once did); a chain of them asks for
+    a trial round verifying a whole speculation. While plain steps still win (here speculation costs 20x a plain
+    step), probes and trials become rarer: in the long run the draft works in few rounds."""
     policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
     policy.jump = 20.0  # a prior that lets the plain step be tried
-    ks = _drive(policy, 60, accept_all=True, verify_ms=lambda k: 10.0 if k == 0 else 200.0, clock=clock)
-    assert ks[-30:] == [0] * 30
-    depths = "".join(str(entry["depth"]) for entry in policy.trace[-40:])
-    assert "1" * 2 in depths and "1" * (lookahead_module.PROBE_CHAIN + 2) not in depths and "0" * 4 in depths
+    ks = _drive(policy, 200, accept_all=True, verify_ms=lambda k: 10.0 if k == 0 else 200.0, clock=clock)
+    trials = [i for i, entry in enumerate(policy.trace) if entry["why"] == "trial"]
+    assert len(trials) >= 3 and all(ks[i] == 3 for i in trials)
+    assert all(k == 0 for i, k in enumerate(ks[1:], 1) if i not in trials)  # only trials speculate
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert gaps[0] < gaps[-1] and gaps[-1] >= lookahead_module.PROBE_MAX
+    late = [entry["depth"] for entry in policy.trace[100:]]
+    assert sum(d > 0 for d in late) <= 0.2 * len(late)
 
 
 def test_a_plain_step_is_timed_only_while_the_draft_is_paused(clock):
@@ -212,6 +222,22 @@ def test_speculation_must_beat_plain_steps_by_a_margin(clock):
     assert policy.choose(3) == 0 and policy.trace[-1]["why"] == "best"
     policy.acceptance.passed = [95.0, 85.0, 80.0, 1.0]  # now clearly worth it
     assert policy.choose(3) == 3
+
+
+def test_returning_from_plain_steps_asks_for_a_larger_gain(clock):
+    """Hysteresis: a gain of ~1.1x keeps a speculating policy speculating but does not draw it back from plain
+    steps (where its estimates of the deeper positions rest on first-position probes only)."""
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.5, concurrent=True, device_type="cpu")
+    _measured(policy, {0: 0.010, 1: 0.02, 2: 0.02, 3: 0.02})
+    policy._rounds = 3
+    policy.acceptance.reached = [100.0] * 4
+    policy.acceptance.passed = [75.0, 50.0, 30.0, 1.0]  # E(3) = 1 + .75 + .38 + .11: 1.12x plain's speed
+    speeds = {k: lookahead_module.expected_tokens(policy.acceptance.estimates(), k) / policy.round_seconds(k)
+              for k in range(4)}
+    assert lookahead_module.SPECULATE_MARGIN < max(speeds.values()) / speeds[0] < lookahead_module.RESUME_MARGIN
+    assert policy.choose(3) == 3  # speculating (the first decision follows the first round, K_max)
+    policy.trace[-1]["k"] = 0  # as if the last round was a plain step
+    assert policy.choose(3) == 0
 
 
 def test_unreached_positions_revert_to_the_pooled_acceptance():

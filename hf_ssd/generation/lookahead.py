@@ -19,8 +19,10 @@ round time, from what this run has measured:
 An unmeasured K whose predicted speed comes within 10 % of the best is tried once, so that the cost curve is
 learnt where it matters. `depth` says how deep the draft prepares the next speculations: K_max while speculating
 pays; on plain steps one token deep twice (the free sample of a_1), then not at all — the draft pauses, since on a
-CPU its memory traffic slows the target's plain step — with a one-token probe every `PROBE_EVERY` rounds, kept up
-while probes are accepted. `lookahead_schedule="constant"` verifies K_max every round.
+CPU its memory traffic slows the target's plain step — but for one-token probes, every `PROBE_EVERY` rounds at first
+and more rarely while they find nothing (see `LookaheadPolicy.depth`). Returning from plain steps to speculation asks
+for a larger promised gain than staying (`RESUME_MARGIN`). `lookahead_schedule="constant"` verifies K_max every
+round.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ DECAY = 0.85  # per round that brings samples: half the weight of a sample after
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
 EXPLORE_WITHIN = 0.9
 PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
-PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds
-PROBE_CHAIN = 3  # probes in a row while their tokens are accepted (each slows its round: the draft works beside it)
+PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds at first,
+PROBE_MAX = 32  # then, each time probing ends without speculation paying, twice as rarely (up to this)
+PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: the draft works beside it)
 # Speculation must promise this much more than plain steps before it is chosen over them: the estimates are noisy
-# and a wrong switch costs a round at about twice a plain step's price, so near a tie plain decoding wins.
+# and a wrong switch costs a round at about twice a plain step's price, so near a tie plain decoding wins. Returning
+# from plain steps asks more (hysteresis): the estimates then rest on probes of the first position only.
 SPECULATE_MARGIN = 1.05
+RESUME_MARGIN = 1.2
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -119,10 +124,10 @@ class LookaheadMemory:
         times[k] = seconds if k not in times else COST_DECAY * times[k] + (1 - COST_DECAY) * seconds
 
 
-def _best(speeds: dict[int, float]) -> int:
-    """The fastest K, but a plain step (K = 0) unless speculation beats it by `SPECULATE_MARGIN`."""
+def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
+    """The fastest K, but a plain step (K = 0) unless speculation beats it by `margin`."""
     best = max(speeds, key=speeds.get)
-    if best > 0 and 0 in speeds and speeds[best] < SPECULATE_MARGIN * speeds[0]:
+    if best > 0 and 0 in speeds and speeds[best] < margin * speeds[0]:
         return 0
     return best
 
@@ -152,8 +157,13 @@ class LookaheadPolicy:
         self._timings = None
         self._rounds = 0
         self._plain_run = 0  # plain steps chosen in a row
-        self._last_free_sample: float | None = None  # a_1's sample from this round's plain step, if any
+        self._last_free_sample: float | None = None  # a_1's sample from the last plain step, if any
         self._probe_chain = 0  # probes in a row after accepted ones
+        self._probe_every = PROBE_EVERY  # rounds between probes now (backs off while probing finds nothing)
+        self._since_probe = 0
+        self._trial = False  # accepted probes ask for one whole speculation next round
+        self._decisions = 0  # depth decisions so far
+        self._probes: set[int] = set()  # the decisions at which probes' samples are due
         self._exploring = False  # this round's K was chosen to time it
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
 
@@ -241,20 +251,48 @@ class LookaheadPolicy:
         """How many tokens deep the draft prepares the next speculations: K_max while speculating would pay (at any
         K, had this round's speculation been long enough); otherwise 1 on the first plain steps (enough for the
         free acceptance sample of a_1), then 0 — the draft pauses, so it does not compete with the target for the
-        machine (on a CPU its memory traffic slowed a plain step by ~20 %) — with a probe of depth 1 every
-        `PROBE_EVERY` rounds, and again next round while the probes' tokens are accepted (up to `PROBE_CHAIN` in
-        a row), which is how the policy returns to speculation when the text becomes predictable. A plain step
-        explored for its cost pauses the draft at once (its time beside a working draft is not what it costs)."""
-        accepted, self._last_free_sample = (self._last_free_sample or 0.0) >= 0.5, None
+        machine (on a CPU its memory traffic slowed a plain step by ~20 %) — but for probes of depth 1, which is how
+        the policy returns to speculation when the text becomes predictable: one every `_probe_every` rounds, and
+        again as soon as a probe's token comes back accepted, up to `PROBE_CHAIN` more; when that many came back
+        accepted in a row the next round is a trial: the draft prepares K_max deep and the round verifies them, so
+        the deeper positions (which probes cannot reach) are measured too. Each time probing ends without
+        speculation winning (a rejected probe, a trial), probes become twice as rare (up to every `PROBE_MAX`
+        rounds) and a trial asks for one more accepted probe; speculating resets both. A probe's sample arrives two
+        decisions later (its speculation is verified in the next round, after that round's depth was chosen); only
+        that sample moves the chain. A plain step explored for its cost pauses the draft at once (its time beside a
+        working draft is not what it costs)."""
+        sample, self._last_free_sample = self._last_free_sample, None
+        decision, self._decisions = self._decisions, self._decisions + 1
+        verdict = decision in self._probes  # a probe's sample is due now (it was sent two decisions ago)
+        self._probes.discard(decision)
         if k == 0 and self._exploring:
             depth, self._plain_run = 0, PAUSE_AFTER  # a plain step tried for its cost: timed with the draft paused
+        elif self.trace and self.trace[-1]["why"] == "trial":
+            depth = self.k_max  # probing's counters stay: a trial that fails goes back to them
         elif k > 0 or not self.adaptive or self._wanted > 0:
             depth, self._plain_run, self._probe_chain = self.k_max, 0, 0
+            self._probe_every, self._since_probe = PROBE_EVERY, 0
         else:
             self._plain_run += 1
-            self._probe_chain = self._probe_chain + 1 if accepted and self._probe_chain < PROBE_CHAIN else 0
-            probing = self._plain_run % PROBE_EVERY == 0 or self._probe_chain > 0
-            depth = 1 if self._plain_run <= PAUSE_AFTER or probing else 0
+            self._since_probe += 1
+            chained = False
+            if verdict:
+                if sample is None or sample < 0.5:  # probing ends here and plain steps still win: probe more rarely
+                    self._probe_chain, self._probe_every = 0, min(2 * self._probe_every, PROBE_MAX)
+                elif self._probe_chain < PROBE_CHAIN + (self._probe_every // PROBE_EVERY).bit_length() - 1:
+                    self._probe_chain, chained = self._probe_chain + 1, True
+                else:  # accepted again and again: verify a whole speculation next round (twice as rare if not)
+                    self._probe_chain, self._trial = 0, True
+                    self._probe_every = min(2 * self._probe_every, PROBE_MAX)
+            if self._trial:
+                depth, self._since_probe = self.k_max, 0
+            elif self._plain_run <= PAUSE_AFTER:
+                depth = 1
+            elif chained or self._since_probe >= self._probe_every:
+                depth, self._since_probe = 1, 0
+                self._probes.add(decision + 2)
+            else:
+                depth = 0
         if self.trace:
             self.trace[-1]["depth"] = depth
         return depth
@@ -282,9 +320,15 @@ class LookaheadPolicy:
             choice = _best({k: v for k, v in speeds.items() if k <= limit})
             self._record(choice, speeds, "prior shape")
             return choice
-        self._wanted = _best(speeds)
+        margin = RESUME_MARGIN if self.trace and self.trace[-1]["k"] == 0 else SPECULATE_MARGIN
+        self._wanted = _best(speeds, margin)
         speeds = {k: v for k, v in speeds.items() if k <= limit}
-        best = _best(speeds)
+        best = _best(speeds, margin)
+        if self._trial:
+            self._trial = False
+            if best == 0 and limit > 0:
+                self._record(limit, speeds, "trial")
+                return limit
         known = set(table)
         unmeasured = [k for k in speeds if k not in known and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
         if unmeasured:
