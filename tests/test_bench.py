@@ -180,6 +180,35 @@ def test_ssd_metrics_pooling():
     assert pooled["target_wait_share"] == pytest.approx(0.25) and pooled["backup"] == "draft"
 
 
+def test_adaptive_prediction_over_the_rounds_the_policy_chose():
+    """SSD with an adaptive lookahead is predicted over the K each decode round verified: plain steps cost a target
+    step (more beside a probing draft), speculative rounds the model's SSD round at their K, each weighted by how
+    often it ran; the pooled metrics carry that mix (first round, with the prefills, left out)."""
+    from hf_ssd.bench.aggregate import rounds_by_lookahead
+    from hf_ssd.bench.predict import adaptive_prediction
+    from hf_ssd.speed_model import Latencies, Statistics, predict
+
+    decisions = [{"k": 4, "depth": 4}, {"k": 0, "depth": 1}, {"k": 0, "depth": 0}, {"k": 0, "depth": 0},
+                 {"k": 4, "depth": 4}]
+    assert rounds_by_lookahead([{"lookahead_decisions": decisions}] * 2) == {"0": [4, 2], "4": [0, 2]}
+    lat = Latencies(target_step_ms=400.0, draft_step_ms=50.0, target_verify_ms={4: 900.0},
+                    draft_tree_ms={8: 40.0}, overlap_efficiency=0.8, round_overhead_ms=5.0)
+    stats = Statistics(acceptance=[0.9, 0.8, 0.5, 0.5], p_hit=0.75, e_hit=1.7, e_miss=1.2)
+    plain = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"0": [10, 0]})
+    assert plain["ssd_tok_s"] == pytest.approx(1e3 / 405.0)
+    probing = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"0": [0, 10]})
+    assert probing["ssd_tok_s"] < plain["ssd_tok_s"]  # the draft's probe slows the step beside it
+    deep = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [0, 10]})
+    profile = predict(lat, Statistics(acceptance=[0.9, 0.8, 0.5, 0.5], p_hit=0.75), 4, 8, "draft")
+    assert deep["ssd_tok_s"] == pytest.approx(profile["ssd_tok_s"])  # per-K tokens from the profile, not 1.7/1.2
+    mixed = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"0": [10, 0], "4": [0, 10]})
+    e4 = profile["p_hit"] * profile["E_hit"] + (1 - profile["p_hit"]) * profile["E_miss"]
+    want = 1e3 * (10 + 10 * e4) / (10 * 405.0 + 10 * profile["breakdown_ms"]["ssd_mean_round"])
+    assert mixed["ssd_tok_s"] == pytest.approx(want) and set(mixed["adaptive_mix"]) == {"0", "4"}
+    best = adaptive_prediction(lat, stats, 4, 8, "draft", "x")  # no mix: the best single K
+    assert best["adaptive_best_k"] in range(5)
+
+
 def test_power_law_fit_recovers_exponent():
     # miss(F) = 0.5 · F^-1: F=1 → 0.5, 2 → 0.25, 4 → 0.125 (1000 lookups each)
     data = {str(f): [round(1000 * (1 - 0.5 / f)), 1000] for f in (1, 2, 4)}
@@ -312,7 +341,9 @@ def test_run_bench_end_to_end(jsonl, tmp_path):
     assert set(data["latencies_ms"]["1"]) >= {"target_step_ms", "target_verify_ms", "draft_step_ms", "draft_tree_ms"}
     assert set(data["latencies_ms"]["1"]["target_verify_ms"]) == {"1", "2", "3"}  # every K the policy may verify
     assert set(data["latencies_by_dataset_ms"]) == {"tiny"}  # at the context the set decoded at
-    assert data["predictions"][ALL]["prediction"]["adaptive_best_k"] in range(4)
+    mix = data["predictions"][ALL]["prediction"]["adaptive_mix"]  # predicted over the K the policy chose
+    rounds = sum(r["metrics"]["batch_rounds"] - 1 for r in ssd_runs)
+    assert sum(sum(entry["rounds"]) for entry in mix.values()) == rounds and set(mix) <= {"0", "1", "2", "3"}
     assert all(len(r["metrics"]["lookahead_per_round"]) == r["metrics"]["batch_rounds"] for r in ssd_runs)
     assert [r["method"] for r in data["predictions"][ALL]["rows"]] == ["ar@1", "sd-k3@1", "ssd@1+1"]  # SD at K
     assert data["comparisons"]["extra-cores"][ALL]["sd_k"] in (1, 3)

@@ -47,6 +47,18 @@ def fit_power_law(hits_by_fanout: Mapping[Any, Sequence[int]], min_count: int = 
     return {"r": -slope, "m": math.exp(intercept), "points": len(xs)}
 
 
+def rounds_by_lookahead(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, list[int]]:
+    """Decode rounds (the first, with the prefills, left out) by the K the lookahead policy verified:
+    {K: [rounds with the draft paused, rounds with it working beside the verification]} (a plain step, K = 0,
+    has the draft working on its first steps and probes)."""
+    mix: dict[int, list[int]] = {}
+    for m in metrics_list:
+        for entry in (m.get("lookahead_decisions") or [])[1:]:
+            counts = mix.setdefault(int(entry["k"]), [0, 0])
+            counts[int(entry.get("depth", 1) > 0)] += 1
+    return {str(k): mix[k] for k in sorted(mix)}
+
+
 def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Pool `SSDMetrics.to_dict()`s of several runs (sums; rates as total / total)."""
     def total(key: str) -> float:
@@ -103,6 +115,7 @@ def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str
         "draft_threads": next((m.get("draft_threads") for m in metrics_list), None),
         "target_threads": next((m.get("target_threads") for m in metrics_list), None),
         "fanout_schedule_last": next((m.get("fanout_schedule") for m in reversed(metrics_list)), None),
+        "rounds_by_lookahead": rounds_by_lookahead(metrics_list),
     }
 
 

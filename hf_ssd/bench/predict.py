@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -113,20 +114,47 @@ def _backup_kind(backup: str) -> str:
     return backup if backup in FAST_BACKUPS else "draft"
 
 
-def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str) -> dict[str, Any]:
+def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str,
+                        mix: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """The speed model for a run whose rounds verify K = 0..K_max (`lookahead_schedule="adaptive"`): SD and AR as
-    usual at K_max; SSD at the best K for these latencies and statistics (K = 0: plain target steps)."""
-    from ..speed_model import predict
+    usual at K_max; SSD over the rounds the policy chose, `mix` (`rounds_by_lookahead`: per K, rounds with the
+    draft paused / working): tokens Σ n_K·E(K) over time Σ n_K·R(K), with E(K) from the acceptance profile and hit
+    rate and R(K) the model's mean SSD round at K; a plain step (K = 0) is one target step, beside the draft's
+    probe (a glue and one tree step) when the draft worked. Without a mix: the best single K for these latencies
+    and statistics (K = 0: plain target steps)."""
+    from ..speed_model import _concurrent, predict
 
     pred = predict(lat, stats, lookahead, budget, backup, label=label)
-    best_k, best = 0, pred["ar_tok_s"]
-    for k in range(1, lookahead + 1):
-        candidate = predict(lat, stats, k, budget, backup, label=label)["ssd_tok_s"]
-        if candidate > best:
-            best_k, best = k, candidate
-    pred = dict(pred, ssd_tok_s=best, ssd_over_ar=best / pred["ar_tok_s"], ssd_over_sd=best / pred["sd_tok_s"],
-                adaptive_best_k=best_k)
-    return pred
+    if not mix or not sum(sum(counts) for counts in mix.values()):
+        best_k, best = 0, pred["ar_tok_s"]
+        for k in range(1, lookahead + 1):
+            candidate = predict(lat, stats, k, budget, backup, label=label)["ssd_tok_s"]
+            if candidate > best:
+                best_k, best = k, candidate
+        return dict(pred, ssd_tok_s=best, ssd_over_ar=best / pred["ar_tok_s"], ssd_over_sd=best / pred["sd_tok_s"],
+                    adaptive_best_k=best_k)
+    per_k = dataclasses.replace(stats, e_hit=None, e_miss=None)  # the measured means mix every K: use the profile
+    probe = lat.draft_forward(2) + lat.tree_step(budget)
+    tokens = seconds = 0.0
+    breakdown = {}
+    for key, (paused, working) in mix.items():
+        k = int(key)
+        if k == 0:
+            plain = lat.target_step_ms + lat.round_overhead_ms
+            beside = _concurrent(lat.target_step_ms, probe, lat.overlap_efficiency) + lat.round_overhead_ms
+            tokens += paused + working
+            seconds += paused * plain + working * beside
+            breakdown["0"] = {"rounds": [paused, working], "E": 1.0, "round_ms": [plain, beside]}
+        else:
+            at_k = predict(lat, per_k, k, budget, backup, label=label)
+            e = at_k["p_hit"] * at_k["E_hit"] + (1 - at_k["p_hit"]) * at_k["E_miss"]
+            round_ms = at_k["breakdown_ms"]["ssd_mean_round"]
+            tokens += (paused + working) * e
+            seconds += (paused + working) * round_ms
+            breakdown[key] = {"rounds": [paused, working], "E": e, "round_ms": round_ms}
+    ssd = 1e3 * tokens / seconds
+    return dict(pred, ssd_tok_s=ssd, ssd_over_ar=ssd / pred["ar_tok_s"], ssd_over_sd=ssd / pred["sd_tok_s"],
+                adaptive_mix=breakdown)
 
 
 def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[MethodSpec],
@@ -137,7 +165,7 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
     `latencies[threads]`: `measure_latencies` output at that thread count; the one at the SSD target's thread
     count (with the draft measured) predicts SSD as well as AR and SD; others predict AR and SD only.
     `by_dataset[name][threads]`, where measured, replaces them for that prompt set (latencies at the context the
-    set's prompts decoded at). An adaptive lookahead is predicted at its best K.
+    set's prompts decoded at). An adaptive lookahead is predicted over the K its policy chose (`adaptive_prediction`).
     """
     from ..speed_model import explain_gap, predict
 
@@ -159,7 +187,8 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
             lat = latencies_for_model(merged, settings.overlap_efficiency)
             label = f"CPU, latencies measured at {threads} thread(s)"
             if settings.lookahead_schedule == "adaptive":
-                pred = adaptive_prediction(lat, stats, settings.lookahead, settings.budget, backup, label)
+                pred = adaptive_prediction(lat, stats, settings.lookahead, settings.budget, backup, label,
+                                           ssd.get("rounds_by_lookahead"))
             else:
                 pred = predict(lat, stats, settings.lookahead, settings.budget, backup, label=label)
             for m in methods:

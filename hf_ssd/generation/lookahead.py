@@ -389,6 +389,8 @@ class LookaheadPolicy:
         wall = time.perf_counter() - self._round_start if self._round_start is not None else None
         first = self._rounds == 0
         self._rounds += 1
+        if self.trace:
+            self.trace[-1]["forward_ms"] = round(1e3 * forward_seconds, 2)
         previous, self._timings = self._timings, timings
         if first:  # the first verification holds the target's prefill
             return
