@@ -66,10 +66,10 @@ def plain(folders):
     model = AutoModelForCausalLM.from_pretrained(folders[0]).eval()
     tokenizer = word_tokenizer()
 
-    def answer(text: str, max_tokens: int = MAX_TOKENS) -> str:
+    def answer(text: str, max_tokens: int = MAX_TOKENS, **options) -> str:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **options)
         return tokenizer.decode(out[0, ids.shape[1]:])
 
     return answer
@@ -132,6 +132,17 @@ def test_answers_are_the_targets_own(server, client, folders, plain):
         assert text == expected
         assert last.choices[0].finish_reason == "length" and last.usage.completion_tokens == MAX_TOKENS
     assert server.model_manager.target.ssd_metrics.executor == "thread"  # SSD ran, on the server's executor
+
+
+def test_generation_options_reach_ssd(server, client, folders, plain):
+    """frequency_penalty and logit_bias become transformers' logits processors; SSD applies them at every verified
+    position, as plain decoding does at every step."""
+    text = prompt(6)
+    options = {"frequency_penalty": 0.8, "logit_bias": {"7": 4.0, "11": -3.0}}
+    expected = plain(text, 16, repetition_penalty=1.8, sequence_bias={(7,): 4.0, (11,): -3.0})
+    assert expected != plain(text, 16)  # the options change the answer
+    assert chat(client, folders[0], text, 16, **options).choices[0].message.content == expected
+    assert streamed(client, folders[0], text, 16, **options)[0] == expected
 
 
 def test_metrics_count_what_ssd_reports(server, client, folders):
