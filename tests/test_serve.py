@@ -304,3 +304,18 @@ def test_serve_command_line(folders, monkeypatch, capsys):
     ]:
         assert main(["serve", "--target", target, *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_an_unknown_serving_layout_fails_clearly(monkeypatch):
+    from transformers.cli.serving.utils import GenerationState
+
+    from hf_ssd.serving import compat
+
+    compat.require_serving()  # this transformers has every seam
+    monkeypatch.delattr(GenerationState, "get_manager")
+    with pytest.raises(compat.ServingUnavailable, match=r"transformers 5\.23 and 5\.24; transformers .* lacks: "
+                       r"transformers\.cli\.serving\.utils\.GenerationState\.get_manager"):
+        compat.require_serving()
+    monkeypatch.setattr(compat.importlib.util, "find_spec", lambda name: None if name == "fastapi" else object())
+    with pytest.raises(compat.ServingUnavailable, match=r"needs fastapi: pip install 'hf-ssd\[serving\]'"):
+        compat.require_serving()

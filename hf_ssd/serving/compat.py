@@ -29,7 +29,7 @@ SEAMS = {
     "transcription": ("TranscriptionHandler",),
     "systemone": ("SystemOneHandler",),
     "model_manager": ("ModelManager.load_model_and_processor", "ModelManager._load_model",
-                      "ModelManager.process_model_name"),
+                      "ModelManager._load_processor", "ModelManager.process_model_name"),
     "server": ("build_server",),
 }
 
