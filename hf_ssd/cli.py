@@ -326,6 +326,20 @@ def bench(args) -> int:
     return run_command(args)
 
 
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from .serving.command import add_arguments
+
+    add_arguments(parser)
+
+
+@command("serve", "an OpenAI-compatible server (transformers serve's) running SSD on every request, with "
+         "Prometheus /metrics", _serve_arguments)
+def serve(args) -> int:
+    from .serving.command import run_command
+
+    return run_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Threads that busy-wait for work steal the core the other model's thread needs; set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -67,6 +67,11 @@ class SSDMetrics:
     is the process executor's start-up paid by this call (0 when its worker was already running) and
     `draft_load_seconds` the time to hand it the draft (0 when it already held it).
 
+    `drafts`, `draft_tokens` and `accepted_tokens` are the exact counts behind the rates, as vLLM counts them: the
+    row-rounds that verified at least one draft token, the draft tokens verified, and those accepted;
+    `accepted_per_position[i]` is how often the draft token at position i was accepted (so `draft_acceptance_rate`
+    is `accepted_tokens / draft_tokens` and `mean_accepted_length` is `(accepted_tokens + rounds) / rounds`).
+
     `lookahead_per_round` is how many draft tokens each verification verified (`lookahead_schedule="adaptive"`
     chooses it every round; 0 is a plain target step); `lookahead_decisions` says why, round by round: the
     acceptance estimates per draft position, the predicted tokens per second of every K considered, the target's
@@ -85,6 +90,10 @@ class SSDMetrics:
     mean_accepted_length: float = 0.0
     draft_acceptance_rate: float = 0.0
     per_position_acceptance: list[float] = field(default_factory=list)
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
     tokens_per_round_hit: float = 0.0
     tokens_per_round_miss: float = 0.0
     tokens_per_round_by_source: dict[str, float] = field(default_factory=dict)
@@ -137,6 +146,7 @@ class MetricsRecorder:
         self.accepted_total = 0
         self.verified_total = 0
         self.emitted_total = 0
+        self.drafts = 0  # row-rounds that verified at least one draft token
         self.reached = [0] * lookahead
         self.passed = [0] * lookahead
         self.by_source: dict[str, list[int]] = {}
@@ -189,6 +199,7 @@ class MetricsRecorder:
         self.generated += emitted
         self.accepted_total += accepted
         self.verified_total += verified
+        self.drafts += int(verified > 0)
         self.emitted_total += accepted + 1
         for i in range(min(verified, accepted + 1)):
             self.reached[i] += 1
@@ -218,6 +229,10 @@ class MetricsRecorder:
             mean_accepted_length=ratio(self.emitted_total, self.rounds),
             draft_acceptance_rate=ratio(self.accepted_total, self.verified_total),
             per_position_acceptance=[ratio(p, r) for p, r in zip(self.passed, self.reached)],
+            drafts=self.drafts,
+            draft_tokens=self.verified_total,
+            accepted_tokens=self.accepted_total,
+            accepted_per_position=list(self.passed),
             tokens_per_round_hit=self.tokens_per_round("cache"),
             tokens_per_round_miss=self.tokens_per_round(*(k for k in self.by_source if k not in ("cache", "plain"))),
             tokens_per_round_by_source={k: ratio(*v) for k, v in sorted(self.by_source.items())},
