@@ -28,7 +28,7 @@ def prompt_dirs(prompts_dir: str | os.PathLike | None = None) -> list[Path]:
     """Where named prompt sets are looked up: `prompts_dir`, else the project root's sibling shared/data/prompts."""
     if prompts_dir is not None:
         return [Path(prompts_dir)]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     found: list[Path] = []
     for folder in (root.parent / "shared" / "data" / "prompts", Path.cwd().parent / "shared" / "data" / "prompts",
                    Path.cwd() / "shared" / "data" / "prompts"):
