@@ -190,7 +190,9 @@ def test_adaptive_prediction_over_the_rounds_the_policy_chose():
 
     decisions = [{"k": 4, "depth": 4}, {"k": 0, "depth": 1}, {"k": 0, "depth": 0}, {"k": 0, "depth": 0},
                  {"k": 4, "depth": 4}]
-    assert rounds_by_lookahead([{"lookahead_decisions": decisions}] * 2) == {"0": [4, 2], "4": [0, 2]}
+    assert rounds_by_lookahead([{"lookahead_decisions": decisions}] * 2) == {"0": [4, 2, None], "4": [0, 2, None]}
+    counted = [dict(entry, tokens=5.0 if entry["k"] else 1.0) for entry in decisions]
+    assert rounds_by_lookahead([{"lookahead_decisions": counted}]) == {"0": [2, 1, 3.0], "4": [0, 1, 5.0]}
     lat = Latencies(target_step_ms=400.0, draft_step_ms=50.0, target_verify_ms={4: 900.0},
                     draft_tree_ms={8: 40.0}, overlap_efficiency=0.8, round_overhead_ms=5.0)
     stats = Statistics(acceptance=[0.9, 0.8, 0.5, 0.5], p_hit=0.75, e_hit=1.7, e_miss=1.2)
@@ -205,6 +207,8 @@ def test_adaptive_prediction_over_the_rounds_the_policy_chose():
     e4 = profile["p_hit"] * profile["E_hit"] + (1 - profile["p_hit"]) * profile["E_miss"]
     want = 1e3 * (10 + 10 * e4) / (10 * 405.0 + 10 * profile["breakdown_ms"]["ssd_mean_round"])
     assert mixed["ssd_tok_s"] == pytest.approx(want) and set(mixed["adaptive_mix"]) == {"0", "4"}
+    brought = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [0, 10, 45.0]})  # tokens as measured
+    assert brought["ssd_tok_s"] == pytest.approx(1e3 * 4.5 / profile["breakdown_ms"]["ssd_mean_round"])
     best = adaptive_prediction(lat, stats, 4, 8, "draft", "x")  # no mix: the best single K
     assert best["adaptive_best_k"] in range(5)
 

@@ -47,15 +47,18 @@ def fit_power_law(hits_by_fanout: Mapping[Any, Sequence[int]], min_count: int = 
     return {"r": -slope, "m": math.exp(intercept), "points": len(xs)}
 
 
-def rounds_by_lookahead(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, list[int]]:
+def rounds_by_lookahead(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
     """Decode rounds (the first, with the prefills, left out) by the K the lookahead policy verified:
-    {K: [rounds with the draft paused, rounds with it working beside the verification]} (a plain step, K = 0,
-    has the draft working on its first steps and probes)."""
-    mix: dict[int, list[int]] = {}
+    {K: [rounds with the draft paused, rounds with it working beside the verification, tokens per row they
+    brought]} (a plain step, K = 0, has the draft working on its first steps and probes; the tokens are None when
+    the runs did not record them)."""
+    mix: dict[int, list] = {}
     for m in metrics_list:
         for entry in (m.get("lookahead_decisions") or [])[1:]:
-            counts = mix.setdefault(int(entry["k"]), [0, 0])
+            counts = mix.setdefault(int(entry["k"]), [0, 0, 0.0])
             counts[int(entry.get("depth", 1) > 0)] += 1
+            tokens = entry.get("tokens")
+            counts[2] = None if tokens is None or counts[2] is None else counts[2] + tokens
     return {str(k): mix[k] for k in sorted(mix)}
 
 

@@ -115,17 +115,19 @@ def _backup_kind(backup: str) -> str:
 
 
 def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str,
-                        mix: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+                        mix: Mapping[str, Sequence] | None = None) -> dict[str, Any]:
     """The speed model for a run whose rounds verify K = 0..K_max (`lookahead_schedule="adaptive"`): SD and AR as
     usual at K_max; SSD over the rounds the policy chose, `mix` (`rounds_by_lookahead`: per K, rounds with the
-    draft paused / working): tokens Σ n_K·E(K) over time Σ n_K·R(K), with E(K) from the acceptance profile and hit
-    rate and R(K) the model's mean SSD round at K; a plain step (K = 0) is one target step, beside the draft's
+    draft paused / working and the tokens they brought): tokens Σ n_K·E(K) over time Σ n_K·R(K), with R(K) the
+    model's mean SSD round at K and E(K) the tokens those rounds brought (the policy speculates where the draft is
+    right, so the run's pooled acceptance would understate them), else from the acceptance profile and hit rate; a
+    plain step (K = 0) is one target step, beside the draft's
     probe (a glue and one tree step) when the draft worked. Without a mix: the best single K for these latencies
     and statistics (K = 0: plain target steps)."""
     from ..speed_model import _concurrent, predict
 
     pred = predict(lat, stats, lookahead, budget, backup, label=label)
-    if not mix or not sum(sum(counts) for counts in mix.values()):
+    if not mix or not sum(counts[0] + counts[1] for counts in mix.values()):
         best_k, best = 0, pred["ar_tok_s"]
         for k in range(1, lookahead + 1):
             candidate = predict(lat, stats, k, budget, backup, label=label)["ssd_tok_s"]
@@ -137,8 +139,8 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
     probe = lat.draft_forward(2) + lat.tree_step(budget)
     tokens = seconds = 0.0
     breakdown = {}
-    for key, (paused, working) in mix.items():
-        k = int(key)
+    for key, (paused, working, *brought) in mix.items():
+        k, measured = int(key), brought[0] if brought else None
         if k == 0:
             plain = lat.target_step_ms + lat.round_overhead_ms
             beside = _concurrent(lat.target_step_ms, probe, lat.overlap_efficiency) + lat.round_overhead_ms
@@ -148,6 +150,8 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
         else:
             at_k = predict(lat, per_k, k, budget, backup, label=label)
             e = at_k["p_hit"] * at_k["E_hit"] + (1 - at_k["p_hit"]) * at_k["E_miss"]
+            if measured is not None and paused + working:
+                e = measured / (paused + working)
             round_ms = at_k["breakdown_ms"]["ssd_mean_round"]
             tokens += (paused + working) * e
             seconds += (paused + working) * round_ms

@@ -356,6 +356,8 @@ class LookaheadPolicy:
         """Acceptance samples from this round's verification (see the module docstring). A round without any
         (a plain step while the draft is paused) leaves the estimates as they were."""
         n = verdict.verified
+        if self.trace and verdict.accepted:  # tokens per row this round (accepted + the bonus)
+            self.trace[-1]["tokens"] = round(1 + sum(verdict.accepted) / len(verdict.accepted), 3)
         if n == 0 and all(row.speculation.tokens.shape[0] == 0 for row in rows):
             return
         self.acceptance.decay()
