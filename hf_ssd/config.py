@@ -47,7 +47,8 @@ class SSDConfig:
             inline on one core; `"stream"` for a draft on a GPU); `"stream"`: a background thread issuing the draft's
             work on a side stream of its device, hand-offs by events (on a CPU it runs as `"thread"` does).
         draft_threads: intra-op CPU threads for the draft worker (None: half the cores).
-        target_threads: intra-op CPU threads for the target while SSD runs (None: the remaining cores).
+        target_threads: intra-op CPU threads for the target while SSD runs (None: the remaining cores); its prefill
+            and plain steps while the draft is paused or probing run on the draft's threads too.
         acceptance_prior: the per-token acceptance `a` used for the fan-out before statistics exist.
         power_law_prior: the hit-rate power-law exponent `r` used before statistics exist.
         adaptive: re-estimate `a` and `r` online from the run's own statistics.

@@ -122,17 +122,20 @@ def _measured(policy, times: dict[int, float]) -> None:
 
 
 def test_cost_curve_from_what_was_measured(clock):
-    """Several positions are interpolated along a line through the measured ones, never assumed cheaper below the
-    smallest measured; a plain step (K = 0), whose cost on a CPU is of another kind (one position: a
-    matrix-vector product), is scaled by the prior shape until it is measured itself."""
+    """An unmeasured K is guessed optimistically, so that it gets tried when it might be best: as cheap as the
+    measured K below it (the lower bound of a rising curve), or in proportion to positions from the nearest one
+    above; a plain step (K = 0), whose cost on a CPU is of another kind (one position: a matrix-vector product), is
+    scaled by the prior shape until it is measured itself. Measured values are kept as measured, a non-monotone
+    curve included."""
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
     _measured(policy, {3: 0.030})
     assert policy.verify_seconds(0) == pytest.approx(0.030 / (2.0 + 0.1 * 2))
-    assert policy.verify_seconds(1) == policy.verify_seconds(2) == pytest.approx(0.030)  # not assumed cheaper
-    assert policy.verify_seconds(4) == pytest.approx(0.030 * 2.3 / 2.2)  # above: the prior shape
+    assert policy.verify_seconds(1) == pytest.approx(0.030 * 2 / 4)  # below: in proportion to positions
+    assert policy.verify_seconds(2) == pytest.approx(0.030 * 3 / 4)
+    assert policy.verify_seconds(4) == pytest.approx(0.030)  # above: as cheap as the largest measured below
     _measured(policy, {1: 0.026})
-    assert policy.verify_seconds(2) == pytest.approx(0.028)  # on the line through K = 1 and K = 3
-    assert policy.verify_seconds(4) == pytest.approx(0.032)  # and beyond it
+    assert policy.verify_seconds(2) == pytest.approx(0.026)  # between: as cheap as its lower neighbour
+    assert policy.verify_seconds(4) == pytest.approx(0.030)
     assert policy.verify_seconds(0) == pytest.approx(0.026 / 2.0)
     _measured(policy, {0: 0.012})
     assert policy.verify_seconds(0) == pytest.approx(0.012) and policy.verify_seconds(3) == pytest.approx(0.030)
@@ -140,7 +143,30 @@ def test_cost_curve_from_what_was_measured(clock):
     _measured(gpu, {4: 0.030})
     assert gpu.verify_seconds(0) == pytest.approx(0.030 / (1.02 + 0.02 * 3))
     _measured(gpu, {2: 0.050})  # a non-monotone curve (3 positions slower than 5, as oneDNN does): kept as measured
-    assert gpu.verify_seconds(3) == pytest.approx(0.040) and gpu.verify_seconds(1) == pytest.approx(0.050)
+    assert gpu.verify_seconds(3) == pytest.approx(0.050) and gpu.verify_seconds(2) == pytest.approx(0.050)
+    assert gpu.verify_seconds(4) == pytest.approx(0.030) and gpu.verify_seconds(1) == pytest.approx(0.050 * 2 / 3)
+
+
+def test_a_cheap_step_of_the_cost_curve_is_found(clock):
+    """The curve of a 2-core Intel Xeon with AVX-512 (1-3 positions cost about one plain step, 4-5 twice): with only
+    K_max timed, the smaller K are tried and the cheap K = 2 is kept; on a curve where every K >= 1 costs twice a
+    plain step (a 2-core AMD EPYC), the smaller K are tried once and dropped again."""
+    def run(curve):
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu")
+        ks = []
+        for _ in range(30):
+            k = policy.choose(4)
+            ks.append(k)
+            policy.depth(k)
+            policy.trace[-1]["tokens"] = 1 + k
+            for j in range(k):
+                policy.acceptance.add(j, 1.0 if j < 2 else 0.5)
+            policy.observe_round(curve[k], None, 1, 1)
+        return ks
+    xeon = run({0: 0.245, 1: 0.25, 2: 0.255, 3: 0.50, 4: 0.51})
+    assert {1, 2} <= set(xeon[:12]) and xeon[-10:] == [2] * 10
+    epyc = run({0: 0.245, 1: 0.50, 2: 0.52, 3: 0.54, 4: 0.55})
+    assert 2 not in epyc[-10:] and 1 not in epyc[-10:]
 
 
 def test_a_plain_step_is_tried_when_it_might_win(clock):
@@ -349,6 +375,26 @@ def test_greedy_identical_while_k_changes(scripted, arch, executor):
         assert m.rounds_by_source.get("plain", 0) >= 2  # paused plain steps ran (and resumed: K > 0 after them)
         if draft is target:
             assert m.cache_hits > 0 and m.draft_acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_plain_steps_run_on_every_core(scripted, executor):
+    """A plain step while the draft is paused or only probes one token (depth <= 1) runs the target on the draft's
+    threads too, as plain decoding would; a speculating round leaves the draft its own."""
+    target, draft = tiny_pair("llama", seed=61)
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(5))
+    threads = []
+    hook = target.register_forward_pre_hook(lambda module, args: threads.append(torch.get_num_threads()))
+    try:
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=25, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor, draft_threads=1, target_threads=1))
+    finally:
+        hook.remove()
+    assert torch.equal(out, target.generate(ids, max_new_tokens=25, do_sample=False))
+    decisions = target.ssd_metrics.lookahead_decisions
+    assert len(threads) == len(decisions)  # one target forward per round, the first with the prefill
+    every = [r == 0 or (d["k"] == 0 and d["depth"] <= 1) for r, d in enumerate(decisions)]
+    assert threads == [2 if e else 1 for e in every] and 1 in threads and sum(every) >= 3
 
 
 def test_batch_greedy_identical_while_k_changes(scripted):

@@ -70,10 +70,13 @@ def ssd_decoding(
         while True:
             verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions),
                                      rows=len(batch.active))
+            depth = policy.depth(verified)
             with phase("wait_prepare"):  # a submission (inline with executor="sync": the whole task)
-                preparing = drafter.prepare(verified, policy.depth(verified))  # concurrent with the verification
+                preparing = drafter.prepare(verified, depth)  # concurrent with the verification
+            # a plain step beside a paused draft, or one probing a token, runs on every core (as plain decoding)
+            idle = verified == 0 and depth <= 1
             with recorder.verification():
-                verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores)
+                verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores, idle)
             with phase("hand_off"):
                 drafter.announce(verdict.accepted, verdict.bonus)
             policy.observe_verification(batch.active, verdict)

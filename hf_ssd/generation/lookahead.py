@@ -10,14 +10,18 @@ round time, from what this run has measured:
   target's distribution there is known: it drew the bonus from it), so a K = 0 round still measures a_1, which is
   how the policy returns to speculation when the text becomes predictable.
 * R(K) = the round's time: the target's verification over K+1 positions, T_v(K), measured online per K at the
-  current context (recent rounds weigh most); an unmeasured K >= 1 lies on the line through the two nearest
-  measured ones, or is scaled from one by the prior shape `shape` (on a CPU one position is a matrix-vector
-  product and several a matrix product: a jump of 2x, then +0.1 per position; on a GPU 1.02x + 0.02), and the
-  plain step (K = 0) is scaled the same way until it is measured itself; next to it the draft's round T_d (they
-  overlap unless the draft runs inline), the loop's measured overhead and, on a miss, the backup's time.
+  current context (recent rounds weigh most); an unmeasured K >= 1 is guessed optimistically (as cheap as the
+  measured K below it, or in proportion to positions from the one above), and the plain step (K = 0) is scaled
+  by the prior shape `shape` (on a CPU one position is a matrix-vector product and several a matrix product: a
+  jump of 2x, then +0.1 per position; on a GPU 1.02x + 0.02) until it is measured itself; next to it the draft's
+  round T_d (they overlap unless the draft runs inline), the loop's measured overhead and, on a miss, the
+  backup's time. A plain step runs on every core (the draft is paused), as plain decoding would.
 
 An unmeasured K whose predicted speed comes within 10 % of the best is tried once, so that the cost curve is
-learnt where it matters. `depth` says how deep the draft prepares the next speculations: K_max while speculating
+learnt where it matters: the curve's shape differs between machines (on one 2-core AMD EPYC, 2 positions cost
+2.1x one; on a 2-core Intel Xeon with AVX-512, 3 positions cost 1.06x one and 5 positions 2x).
+
+`depth` says how deep the draft prepares the next speculations: K_max while speculating
 pays; on plain steps one token deep twice (the free sample of a_1), then not at all — the draft pauses, since on a
 CPU its memory traffic slows the target's plain step — but for one-token probes, every `PROBE_EVERY` rounds at first
 and more rarely while they find nothing (see `LookaheadPolicy.depth`). Returning from plain steps to speculation asks
@@ -174,13 +178,15 @@ class LookaheadPolicy:
 
     def verify_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
         """T_v(k): measured (in this call, or in earlier ones on this target: `LookaheadMemory`, scaled to this
-        call), else from the measured ones and the cost curve's shape (see `shape`).
+        call), else an optimistic guess that gets it tried (see `_choose`: an unmeasured K that might be best is
+        explored once, then its measurement decides).
 
-        Between two measured K: on the line through them. Below the smallest measured K >= 1: as much as it (fewer
-        positions are not assumed cheaper until measured: on CPUs the curve is not even monotone, e.g. 3
-        positions slower than 5 with oneDNN). Above the largest: the line through the two largest, or the prior
-        shape from one. The plain step (K = 0), until measured while the draft is paused: the most optimistic of
-        the measured ones scaled by the prior shape, so that it gets tried."""
+        An unmeasured K >= 1 costs what the largest measured K below it costs (the curve's lower bound if it rises;
+        on CPUs it rises in steps — 1-3 positions cost the same with AVX-512, 4-5 twice that — and is not even
+        monotone with oneDNN, so nothing between measured points is assumed dearer than its lower neighbour); with
+        none measured below it, the nearest measured one above scaled down in proportion to positions. The plain
+        step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones scaled by
+        the prior shape."""
         measured = self.times() if measured is None else measured
         if not measured:
             return None
@@ -191,18 +197,11 @@ class LookaheadPolicy:
         several = sorted((n, t) for n, t in measured.items() if n >= 1)  # verifications of several positions
         if not several:
             return measured[0] * self.shape(k)
-        below = [(n, t) for n, t in several if n < k]
-        above = [(n, t) for n, t in several if n > k]
-        if below and above:
-            (n0, t0), (n1, t1) = below[-1], above[0]
-            return t0 + (t1 - t0) * (k - n0) / (n1 - n0)
-        if above:
-            return above[0][1]
-        if len(below) >= 2:
-            (n0, t0), (n1, t1) = below[-2], below[-1]
-            return max(t1 + (t1 - t0) * (k - n1) / (n1 - n0), t1)
-        n, t = below[-1]
-        return t * self.shape(k) / self.shape(n)
+        below = [t for n, t in several if n < k]
+        if below:
+            return below[-1]
+        n, t = several[0]
+        return t * (k + 1) / (n + 1)
 
     def _remembered(self) -> dict[int, float]:
         """Times of earlier calls in this setting, scaled by this call's measured / remembered ratio where both

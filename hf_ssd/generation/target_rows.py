@@ -59,14 +59,16 @@ class TargetBatch:
         return self.kwargs.get(self.cache_key)
 
     def verify(self, batch: Batch, verified: int, generator: torch.Generator | None, phases,
-               cores=contextlib.nullcontext) -> Verdict:
+               cores=contextlib.nullcontext, draft_idle: bool = False) -> Verdict:
         """Score every active row's speculation (its first `verified` tokens) in one forward and accept exactly.
 
-        `generator` is None under greedy decoding; `cores` is entered around the first forward (the prefill)."""
+        `generator` is None under greedy decoding; `cores` is entered around the forward when the draft leaves the
+        machine to the target: the first forward (the prefill) and every round the draft is paused (`draft_idle`:
+        a plain step then runs on every core, as plain decoding would)."""
         device = self.ids.device
         tokens = _arrive(torch.stack([row.speculation.tokens[:verified] for row in batch.active]), device)
         start = time.perf_counter()
-        with phases("target_forward"), (cores() if self.first else contextlib.nullcontext()):
+        with phases("target_forward"), (cores() if self.first or draft_idle else contextlib.nullcontext()):
             self._outputs, self._extended, raw = self._forward(tokens)
         self.forward_seconds = time.perf_counter() - start
         if self.first and not getattr(output_cache(self._outputs), "is_croppable", True):
