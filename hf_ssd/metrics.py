@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .cache.speculation_cache import NOT_LOOKED_UP
+
 
 class PhaseTimer:
     """Wall-clock seconds and calls per named phase: `with timer("verify"): ...` or `timer.add(name, seconds)`."""
@@ -46,7 +48,8 @@ class SSDMetrics:
     the verifications. `mean_accepted_length` counts accepted draft tokens plus the bonus token per row-round.
     `cache_hit_rate` is over the row-rounds that looked a speculation up (every one but each row's first).
     `tokens_per_round_by_source` splits tokens per row-round by where the speculation came from ("cache" = hit,
-    else the backup). `backup_decision` holds the last `backup="auto"` decision and its inputs (Corollary 16:
+    else the backup, "plain" for plain steps, "serial" for speculations drafted just in time after a verification
+    the draft sat out). `backup_decision` holds the last `backup="auto"` decision and its inputs (Corollary 16:
     p_hit, E_hit, E_miss, T_p, T_b in units of one verification, the critical batch size, the batch size, the
     choice). `peak_target_kv_bytes` / `peak_draft_kv_bytes` are the largest KV sizes seen after a round;
     `realign_seconds` / `draft_compact_seconds` the time spent realigning the target's rows (crop or gather) and
@@ -234,7 +237,8 @@ class MetricsRecorder:
             accepted_tokens=self.accepted_total,
             accepted_per_position=list(self.passed),
             tokens_per_round_hit=self.tokens_per_round("cache"),
-            tokens_per_round_miss=self.tokens_per_round(*(k for k in self.by_source if k not in ("cache", "plain"))),
+            tokens_per_round_miss=self.tokens_per_round(
+                *(k for k in self.by_source if k not in ("cache", *NOT_LOOKED_UP))),
             tokens_per_round_by_source={k: ratio(*v) for k, v in sorted(self.by_source.items())},
             rounds_by_source={k: v[1] for k, v in sorted(self.by_source.items())},
             peak_target_kv_bytes=self.peak_target,

@@ -209,6 +209,11 @@ def test_adaptive_prediction_over_the_rounds_the_policy_chose():
     assert mixed["ssd_tok_s"] == pytest.approx(want) and set(mixed["adaptive_mix"]) == {"0", "4"}
     brought = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [0, 10, 45.0]})  # tokens as measured
     assert brought["ssd_tok_s"] == pytest.approx(1e3 * 4.5 / profile["breakdown_ms"]["ssd_mean_round"])
+    serial = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [10, 0, 45.0]})  # the draft sat them out
+    assert serial["ssd_tok_s"] == pytest.approx(1e3 * 4.5 / (900.0 + 4 * 50.0 + 5.0))  # verify, then draft K tokens
+    every = Latencies(target_step_ms=250.0, draft_step_ms=45.0, target_verify_ms={4: 500.0})  # on every core
+    both = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"0": [10, 0], "4": [10, 0, 45.0]}, every)
+    assert both["ssd_tok_s"] == pytest.approx(1e3 * (10 + 45.0) / (10 * 255.0 + 10 * (500.0 + 4 * 45.0 + 5.0)))
     best = adaptive_prediction(lat, stats, 4, 8, "draft", "x")  # no mix: the best single K
     assert best["adaptive_best_k"] in range(5)
 

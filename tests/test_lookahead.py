@@ -5,6 +5,7 @@ sampling (the exact law, with a negative control)."""
 from __future__ import annotations
 
 import itertools
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -169,6 +170,53 @@ def test_a_cheap_step_of_the_cost_curve_is_found(clock):
     assert 2 not in epyc[-10:] and 1 not in epyc[-10:]
 
 
+def _drive_modes(policy, rounds: int, concurrent_ms, serial_ms, plain_ms: float, draft_ms: float, jit_ms: float,
+                 clock, acceptance: float = 0.8) -> list[tuple[int, str]]:
+    """Synthetic rounds with a cost per kind of round: a concurrent one (K from `concurrent_ms`, the draft's round
+    `draft_ms` beside it), a serial one (its verification on every core, `serial_ms`, then `jit_ms` per token
+    drafted), a plain step (`plain_ms`); every position is accepted with probability `acceptance` (as a fraction).
+    Returns (K, mode) per round."""
+    timings, prepared = DraftTimings(), policy.k_max
+    out = []
+    for _ in range(rounds):
+        k = policy.choose(prepared)
+        depth = policy.depth(k)
+        serial = policy.serial
+        out.append((k, policy.trace[-1]["mode"]))
+        for j in range(k):
+            policy.acceptance.add(j, acceptance)
+        verify = (serial_ms(k) if depth == 0 and k else plain_ms if k == 0 and depth == 0 else concurrent_ms(k))
+        work = draft_ms if depth else 0.0
+        timings = DraftTimings(timings.prepare_calls + int(depth > 0), timings.prepare_seconds + work / 1e3, 0, 0.0,
+                               timings.serial_calls + int(serial > 0), timings.serial_seconds + serial * jit_ms / 1e3,
+                               timings.serial_tokens + serial)
+        clock[0] += (max(verify, work) + serial * jit_ms) / 1e3
+        policy.observe_round(verify / 1e3, timings, hits=1, lookups=1)
+        prepared = serial if depth == 0 else depth
+    return out
+
+
+def test_serial_rounds_where_the_target_scales_with_cores(clock):
+    """Two cores on which the target runs 1.7x faster on both (a 2-core Xeon: 245 ms a plain step on both, 441 ms
+    for 3 positions on one, 270 ms on both) and the draft does not (53-58 ms a token): drafting after each
+    verification on every core (SD's schedule) beats drafting beside it, and is found within a few rounds; where
+    the target does not scale (a 2-core EPYC, memory bound), concurrent rounds stay."""
+    xeon = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu", serial=True)
+    rounds = _drive_modes(xeon, 30, concurrent_ms=lambda k: 441.0 if k <= 2 else 850.0,
+                          serial_ms=lambda k: 270.0 if k <= 2 else 480.0, plain_ms=245.0, draft_ms=270.0,
+                          jit_ms=55.0, clock=clock)
+    assert rounds[-10:] == [(2, "serial")] * 10 and any(mode == "concurrent" for _, mode in rounds[:5])
+    epyc = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu", serial=True)
+    rounds = _drive_modes(epyc, 30, concurrent_ms=lambda k: 900.0 + 40 * k, serial_ms=lambda k: 890.0 + 40 * k,
+                          plain_ms=445.0, draft_ms=400.0, jit_ms=70.0, clock=clock, acceptance=0.85)
+    assert all(mode == "concurrent" for _, mode in rounds[-10:]) and rounds[-1][0] >= 3
+    assert sum(mode == "serial" for _, mode in rounds) <= 4  # tried, then dropped
+    off = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu", serial=False)
+    rounds = _drive_modes(off, 12, concurrent_ms=lambda k: 441.0, serial_ms=lambda k: 270.0, plain_ms=245.0,
+                          draft_ms=270.0, jit_ms=55.0, clock=clock)
+    assert all(mode != "serial" for _, mode in rounds)  # a draft on its own device: never serial
+
+
 def test_a_plain_step_is_tried_when_it_might_win(clock):
     """Measured verifications of several positions cost about the same (a CPU's matrix products), acceptance is
     low: the plain step's optimistic prior makes it worth one try, after which its measured cost decides."""
@@ -321,14 +369,17 @@ LAW_SCRIPT = [(2, 3), (0, 0), (0, 1), (1, 3)]  # 4 new tokens: partial, a paused
 
 def _script(monkeypatch, script):
     """The policy verifies and prepares as `script` says, round after round (K capped by what the round can
-    verify: what the previous round prepared, what max_length leaves), whatever the timing."""
+    verify: what the previous round prepared, what max_length leaves), whatever the timing. A step is (K, depth)
+    or (K, 0, serial): the draft sits the verification out, then drafts `serial` tokens just in time."""
     def choose(self, limit):
         k = min(script[len(self.trace) % len(script)][0], limit)
         self._record(k, None, "scripted")
         return k
 
     def depth(self, k):
-        self.trace[-1]["depth"] = script[(len(self.trace) - 1) % len(script)][1]
+        step = script[(len(self.trace) - 1) % len(script)]
+        self.trace[-1]["depth"] = step[1]
+        self.serial = step[2] if len(step) > 2 else 0
         return self.trace[-1]["depth"]
 
     monkeypatch.setattr(LookaheadPolicy, "_choose", choose)
@@ -338,6 +389,29 @@ def _script(monkeypatch, script):
 @pytest.fixture
 def scripted(monkeypatch):
     _script(monkeypatch, SCRIPT)
+
+
+# Serial rounds among concurrent ones and plain steps: into them from a plain step, a hit and a backup; out of them
+# to a concurrent prepare, to a plain step (rows commit different numbers of tokens in a batch) and to another one.
+SERIAL_SCRIPT = [(0, 0, 3), (3, 0, 2), (2, 3), (2, 0, 3), (3, 0, 0), (0, 1), (1, 3), (3, 0, 1), (1, 0, 0), (0, 0, 0),
+                 (0, 0, 2), (2, 3)]
+# 4 new tokens: a plain step into a serial round (its tokens are the 2nd to 4th), out of it to a plain step (a row
+# committed several tokens the draft has not seen), into one again, then a concurrent round
+LAW_SERIAL_SCRIPT = [(0, 0, 3), (2, 0, 0), (0, 0, 2), (2, 3)]
+
+
+@pytest.fixture
+def serial_scripted(monkeypatch):
+    _script(monkeypatch, SERIAL_SCRIPT)
+
+
+def serial_ks(rounds: int, k_max: int = 3) -> list[int]:
+    """The K each round verifies under SERIAL_SCRIPT: at most what the previous round prepared or drafted."""
+    ks, prepared = [], k_max
+    for step in itertools.islice(itertools.cycle(SERIAL_SCRIPT), rounds):
+        ks.append(min(step[0], prepared))
+        prepared = step[2] if step[1] == 0 and len(step) > 2 else step[1]
+    return ks
 
 
 @pytest.fixture
@@ -375,6 +449,64 @@ def test_greedy_identical_while_k_changes(scripted, arch, executor):
         assert m.rounds_by_source.get("plain", 0) >= 2  # paused plain steps ran (and resumed: K > 0 after them)
         if draft is target:
             assert m.cache_hits > 0 and m.draft_acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identical_through_serial_rounds(serial_scripted, arch, executor):
+    """Rounds the draft sits out and then drafts for just in time (on every core), mixed with concurrent rounds and
+    plain steps: the output is plain decoding's, and every serial speculation is verified as scripted."""
+    target, random_draft = tiny_pair(arch, seed=80 + ARCHS.index(arch))
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(8))
+    expected = target.generate(ids, max_new_tokens=37, do_sample=False)
+    for draft in (target, random_draft):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=37, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected), (arch, executor)
+        m = target.ssd_metrics
+        limits = [decision["limit"] for decision in m.lookahead_decisions]
+        assert m.lookahead_per_round == [min(k, limit) for k, limit in zip(serial_ks(m.batch_rounds), limits)]
+        assert m.rounds_by_source.get("serial", 0) >= 4 and m.generated_tokens == 37
+        if draft is target:
+            assert m.draft_acceptance_rate == 1.0 and m.tokens_per_round_by_source["serial"] > 1
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_batch_greedy_identical_through_serial_rounds(serial_scripted, executor):
+    """A left-padded batch whose rows accept different numbers of tokens in serial rounds and finish at different
+    times."""
+    target, draft = tiny_pair("llama", seed=71)
+    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    ids = ids * mask
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=23, do_sample=False, pad_token_id=0)
+    for assistant in (target, draft):
+        out = target.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=23,
+                              do_sample=False, pad_token_id=0, ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected)
+        assert target.ssd_metrics.rounds_by_source.get("serial", 0) >= 4
+
+
+def test_serial_rounds_run_on_every_core(serial_scripted):
+    """A serial round's verification and the draft's just-in-time drafting after it run on every core; a
+    concurrent round leaves each side its own threads."""
+    target, draft = tiny_pair("llama", seed=62)
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(5))
+    target_threads, draft_threads = [], []
+    hooks = [target.register_forward_pre_hook(lambda module, args: target_threads.append(torch.get_num_threads())),
+             draft.register_forward_pre_hook(lambda module, args: draft_threads.append(
+                 (threading.current_thread().name, torch.get_num_threads())))]
+    try:
+        target.generate(ids, assistant_model=draft, max_new_tokens=25, do_sample=False,
+                        ssd_config=SSDConfig(lookahead=3, executor="thread", draft_threads=1, target_threads=1))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    decisions = target.ssd_metrics.lookahead_decisions
+    every = [r == 0 or d["depth"] == 0 or (d["k"] == 0 and d["depth"] <= 1) for r, d in enumerate(decisions)]
+    assert target_threads == [2 if e else 1 for e in every] and any(d["k"] > 0 and d["depth"] == 0 for d in decisions)
+    assert {n for _, n in draft_threads} == {1, 2}  # concurrent work on its own thread, serial drafting on both
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
@@ -433,6 +565,42 @@ def test_sampling_law_while_k_changes(law_scripted, law_models, draft, c, backup
     pvalues = law_pvalues(exact_law(target, sampling), counts)
     print(f"p-values {pvalues}, hits {hits}, misses {misses}")
     assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+@pytest.mark.parametrize("executor", ["sync", "process"])
+def test_sampling_law_through_serial_rounds(monkeypatch, law_models, executor):
+    """4 new tokens per sample through serial rounds (see LAW_SERIAL_SCRIPT): Saguaro-rescaled q (C = 0.3) drafted
+    just in time is what verification uses."""
+    _script(monkeypatch, LAW_SERIAL_SCRIPT)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor=executor)
+    counts, hits, misses = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=98)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"p-values {pvalues}, hits {hits}, misses {misses}")
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+def test_negative_control_serial_q_shifted(monkeypatch, law_models):
+    """Power check: serial speculations handed over with q shifted by one position (Saguaro-rescaled, C = 0.3, so
+    the positions' q differ) are rejected by the harness."""
+    from hf_ssd.generation.candidate_generator import SaguaroCandidateGenerator
+
+    _script(monkeypatch, [(0, 0, 3), (3, 0, 3)])  # the 2nd to 4th tokens come from serial speculations
+    original = SaguaroCandidateGenerator._draft_just_in_time
+
+    def shifted(self, missed, length, phase, first=None):
+        tokens, probs, tops = original(self, missed, length, phase, first)
+        if phase == "serial" and probs is not None:
+            probs = torch.cat([probs[:, 1:], probs[:, :1]], dim=1)
+        return tokens, probs, tops
+
+    monkeypatch.setattr(SaguaroCandidateGenerator, "_draft_just_in_time", shifted)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync")
+    counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=98, samples=SAMPLES)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"negative control p-values {pvalues}")
+    assert min(pvalues.values()) < REJECT, pvalues
 
 
 def test_negative_control_q_shifted_when_k_is_partial(law_models, monkeypatch):

@@ -115,15 +115,16 @@ def _backup_kind(backup: str) -> str:
 
 
 def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str,
-                        mix: Mapping[str, Sequence] | None = None) -> dict[str, Any]:
+                        mix: Mapping[str, Sequence] | None = None, lat_all=None) -> dict[str, Any]:
     """The speed model for a run whose rounds verify K = 0..K_max (`lookahead_schedule="adaptive"`): SD and AR as
     usual at K_max; SSD over the rounds the policy chose, `mix` (`rounds_by_lookahead`: per K, rounds with the
     draft paused / working and the tokens they brought): tokens Σ n_K·E(K) over time Σ n_K·R(K), with R(K) the
     model's mean SSD round at K and E(K) the tokens those rounds brought (the policy speculates where the draft is
-    right, so the run's pooled acceptance would understate them), else from the acceptance profile and hit rate; a
-    plain step (K = 0) is one target step, beside the draft's
-    probe (a glue and one tree step) when the draft worked. Without a mix: the best single K for these latencies
-    and statistics (K = 0: plain target steps)."""
+    right, so the run's pooled acceptance would understate them), else from the acceptance profile and hit rate. A
+    plain step (K = 0) is one target step on every core (`lat_all`: latencies on the draft's and the target's
+    threads together; `lat` if not given), beside the draft's probe (a glue and one tree step) when the draft
+    worked; a serial round (K > 0, the draft paused) is a verification on every core plus K draft steps. Without a
+    mix: the best single K for these latencies and statistics (K = 0: plain target steps)."""
     from ..speed_model import _concurrent, predict
 
     pred = predict(lat, stats, lookahead, budget, backup, label=label)
@@ -137,13 +138,14 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
                     adaptive_best_k=best_k)
     per_k = dataclasses.replace(stats, e_hit=None, e_miss=None)  # the measured means mix every K: use the profile
     probe = lat.draft_forward(2) + lat.tree_step(budget)
+    every = lat_all or lat
     tokens = seconds = 0.0
     breakdown = {}
     for key, (paused, working, *brought) in mix.items():
         k, measured = int(key), brought[0] if brought else None
         if k == 0:
-            plain = lat.target_step_ms + lat.round_overhead_ms
-            beside = _concurrent(lat.target_step_ms, probe, lat.overlap_efficiency) + lat.round_overhead_ms
+            plain = every.target_step_ms + lat.round_overhead_ms
+            beside = _concurrent(every.target_step_ms, probe, lat.overlap_efficiency) + lat.round_overhead_ms
             tokens += paused + working
             seconds += paused * plain + working * beside
             breakdown["0"] = {"rounds": [paused, working], "E": 1.0, "round_ms": [plain, beside]}
@@ -153,9 +155,10 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
             if measured is not None and paused + working:
                 e = measured / (paused + working)
             round_ms = at_k["breakdown_ms"]["ssd_mean_round"]
+            serial_ms = every.verify(k) + k * every.draft_step_ms + lat.round_overhead_ms
             tokens += (paused + working) * e
-            seconds += (paused + working) * round_ms
-            breakdown[key] = {"rounds": [paused, working], "E": e, "round_ms": round_ms}
+            seconds += working * round_ms + paused * serial_ms
+            breakdown[key] = {"rounds": [paused, working], "E": e, "round_ms": [serial_ms, round_ms]}
     ssd = 1e3 * tokens / seconds
     return dict(pred, ssd_tok_s=ssd, ssd_over_ar=ssd / pred["ar_tok_s"], ssd_over_sd=ssd / pred["sd_tok_s"],
                 adaptive_mix=breakdown)
@@ -191,8 +194,11 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
             lat = latencies_for_model(merged, settings.overlap_efficiency)
             label = f"CPU, latencies measured at {threads} thread(s)"
             if settings.lookahead_schedule == "adaptive":
+                every_core = measured_here.get(settings.draft_threads + settings.target_threads)
+                lat_all = latencies_for_model({**base, **every_core}, settings.overlap_efficiency) if (
+                    every_core and threads == settings.target_threads) else None
                 pred = adaptive_prediction(lat, stats, settings.lookahead, settings.budget, backup, label,
-                                           ssd.get("rounds_by_lookahead"))
+                                           ssd.get("rounds_by_lookahead"), lat_all)
             else:
                 pred = predict(lat, stats, settings.lookahead, settings.budget, backup, label=label)
             for m in methods:

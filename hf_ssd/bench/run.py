@@ -189,15 +189,17 @@ def run_bench(
     if settings.latencies:
         try:
             baselines = {m.threads for m in methods if m.kind in ("ar", "sd", "sd-default")}
-            needed = sorted(baselines | {settings.target_threads})
-            verify_ks = (list(range(1, settings.lookahead + 1)) if settings.lookahead_schedule == "adaptive"
-                         else [settings.lookahead])
+            adaptive = settings.lookahead_schedule == "adaptive"
+            every_core = settings.draft_threads + settings.target_threads  # plain steps and serial rounds
+            needed = sorted(baselines | {settings.target_threads} | ({every_core} if adaptive else set()))
+            verify_ks = list(range(1, settings.lookahead + 1)) if adaptive else [settings.lookahead]
 
             def measured_at(ids) -> dict[str, Any]:
                 return {str(threads): measure_latencies(
                     target, draft, ids, settings.lookahead, settings.budget, threads, settings.latency_repeats,
                     settings.fanout, tree=threads == settings.target_threads,
-                    verify_ks=verify_ks if threads == settings.target_threads else None) for threads in needed}
+                    verify_ks=verify_ks if threads in (settings.target_threads, every_core) else None)
+                    for threads in needed}
 
             log(f"measuring latencies at {', '.join(map(str, needed))} thread(s), at each set's decode context")
             results["latencies_ms"] = measured_at(decode_context(records, encoded, reference))

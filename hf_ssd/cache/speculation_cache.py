@@ -2,7 +2,8 @@
 
 Vocabulary (shared with the metrics and the fan-out estimator): looking an outcome up is a **hit** or a **miss**; a
 speculation's `source` is `CACHE` after a hit, else the name of the backup that drafted it (`BACKUP_SOURCES`), or
-`PLAIN` for the empty speculation of a plain target step while the draft is paused (no lookup).
+`PLAIN` for the empty speculation of a plain target step while the draft is paused (no lookup), `SERIAL` for one
+the draft made just in time after the verification it sat out (SD's schedule: no lookup either).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 CACHE = "cache"
 BACKUP_SOURCES = ("draft", "ngram", "random")
 PLAIN = "plain"
-SOURCES = (CACHE, *BACKUP_SOURCES, PLAIN)
+SERIAL = "serial"
+SOURCES = (CACHE, *BACKUP_SOURCES, PLAIN, SERIAL)
+NOT_LOOKED_UP = (PLAIN, SERIAL)  # sources of speculations that were not looked up in the cache
 
 
 def lookup_kind(source: str) -> str:

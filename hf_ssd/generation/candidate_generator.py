@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache.draft_cache import DraftCache, compiled_call, default_compile
-from ..cache.speculation_cache import PLAIN, Speculation, SpeculationCache, lookup_kind
+from ..cache.speculation_cache import PLAIN, SERIAL, Speculation, SpeculationCache, lookup_kind
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
 from ..metrics import PhaseTimer
@@ -72,6 +72,9 @@ class DraftTimings:
     prepare_seconds: float = 0.0  # glue + fork + tree
     backup_calls: int = 0
     backup_seconds: float = 0.0  # just-in-time draft backups
+    serial_calls: int = 0
+    serial_seconds: float = 0.0  # speculations drafted after a verification the draft sat out (see `resolve`)
+    serial_tokens: int = 0  # tokens those drafted per row
 
 
 @dataclass
@@ -246,11 +249,10 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         """The draft's top-W tokens, W = branches + 1 (enough for any fork after skipping s_{j+1})."""
         return logits.topk(min(self.vocab_size, self.config.branches + 1), dim=-1).indices
 
-    def _draft_just_in_time(self, missed: torch.Tensor, length: int, phase: str) -> tuple[
-        torch.Tensor, torch.Tensor | None, torch.Tensor
-    ]:
+    def _draft_just_in_time(self, missed: torch.Tensor, length: int, phase: str, first: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The draft model's own speculation of `length` tokens for the rows in `missed` [b] (bool): that many
-        single-token forwards.
+        single-token forwards (one fewer when `first` [b, V] holds the logits after t_prev, already fed).
 
         The other rows ride along as invisible dummies (one forward serves the whole batch). The real rows' KV stays
         in the cache and their top tokens travel with the speculation, so the next glue forward only has to run
@@ -260,9 +262,12 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         tokens, probs, tops = [], [], []
         for i in range(length):
             self.check()
-            visible = causal_visibility(self.cache.valid, 1, missed[:, None])
-            logits = self.cache.forward(token[:, None], (self.glue_start + i)[:, None], visible, valid=missed[:, None],
-                                        phase=phase)
+            if i == 0 and first is not None:
+                logits = first[:, None]
+            else:
+                visible = causal_visibility(self.cache.valid, 1, missed[:, None])
+                logits = self.cache.forward(token[:, None], (self.glue_start + i)[:, None], visible,
+                                            valid=missed[:, None], phase=phase)
             tops.append(self._top(logits[:, -1]))
             token, q = self._sample(logits[:, -1], self._saguaro_top("miss", i + 1))
             tokens.append(token)
@@ -408,24 +413,26 @@ class SaguaroCandidateGenerator(CandidateGenerator):
 
     def resolve(
         self, outcomes: list[tuple[int, int]], verified: int, keep_rows: list[int] | None = None,
-        backup: str | None = None,
+        backup: str | None = None, serial: int = 0,
     ) -> list[Resolution]:
         """Commit every row's outcome (accepted, bonus) and return the next speculation of each row in
         `keep_rows` (default: all; finished rows leave the batch): its cache hit, or on a miss the backup's
-        (`backup`, default `self.backup`).
+        (`backup`, default `self.backup`). After a verification the draft sat out (a `prepare` of depth 0) there
+        is nothing to look up: the next speculation is empty (a plain step follows) or, with `serial` > 0, that
+        many tokens the draft drafts now, just in time, as SD would (`SERIAL`).
 
         The draft cache keeps, per row, the committed prefix plus the hit branch's tree slots; only the slots this
         round wrote move. Also feeds the fan-out estimator and snapshots the schedules for the next round; this
         runs strictly between two verifications, so every executor sees the same schedules.
         """
         with self.clock("resolve"):
-            return self._resolve(outcomes, verified, keep_rows, backup or self.backup)
+            return self._resolve(outcomes, verified, keep_rows, backup or self.backup, serial)
 
-    def _resolve(self, outcomes, verified, keep_rows, backup) -> list[Resolution]:
+    def _resolve(self, outcomes, verified, keep_rows, backup, serial=0) -> list[Resolution]:
         rows = self.rows
         keep_rows = list(range(rows)) if keep_rows is None else list(keep_rows)
         if self.depth == 0:
-            return self._resolve_paused(outcomes, keep_rows)
+            return self._resolve_paused(outcomes, verified, keep_rows, serial)
         accepted = torch.tensor([a for a, _ in outcomes], device=self.device)
         keep = self.cache.valid.clone()
         keep[:, self.main_len :] = False
@@ -462,26 +469,85 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self._backup_speculations([i for i, s in enumerate(self.speculations) if s is None], backup, self.depth)
         return [Resolution(self.speculations[i], found_by_row[r] is not None) for i, r in enumerate(keep_rows)]
 
-    def _resolve_paused(self, outcomes, keep_rows) -> list[Resolution]:
-        """A plain step while paused: commit each row's one token; the cache keeps only what came before t_prev
-        (for every row alike: t_prev joins the tokens to glue on resuming, with the one just committed after it)."""
+    def _resolve_paused(self, outcomes, verified: int, keep_rows, serial: int = 0) -> list[Resolution]:
+        """After a verification the draft sat out: commit each row's accepted tokens and bonus. The cache keeps
+        what it holds of the committed path (positions up to t_prev + accepted); the committed tokens it lacks
+        wait, before the new t_prev, to be glued on resuming (`unglued`), or are fed now when rows lack different
+        numbers of them (a batch after a serial round). With `serial` > 0 the draft then drafts that many tokens
+        per row just in time, feeding what the cache lacks, t_prev included, in its first forward."""
+        started = time.perf_counter()
         selected = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        keep = self.cache.valid & (self.cache.positions < self.glue_start[:, None])
+        accepted = torch.tensor([a for a, _ in outcomes], dtype=torch.long, device=self.device)
+        keep = self.cache.valid & (self.cache.positions <= (self.glue_start + accepted)[:, None])
         with self.clock("compact"):
             self.cache.keep(keep, None if len(keep_rows) == self.rows else selected, max_holes=self.lookahead)
-        bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
+        for r, (acc, _) in enumerate(outcomes):
+            if verified:  # a serial speculation's acceptance feeds the fan-out's estimate as a backup's does
+                self.estimator.record_round(lookup_kind(self.speculations[r].source), acc, verified)
         for r in keep_rows:
-            self.contexts[r].append(outcomes[r][1])
-        self.unglued = torch.cat([self.unglued, self.t_prev[:, None]], dim=1)[selected]
-        self.glue_start = (self.glue_start + 1)[selected]
+            acc, bonus = outcomes[r]
+            self.contexts[r].extend(self.speculations[r].tokens[:acc].tolist())
+            self.contexts[r].append(bonus)
+        bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
+        self.glue_start = (self.glue_start + accepted + 1)[selected]
         self.t_prev = bonuses[selected]
         self.contexts = [self.contexts[r] for r in keep_rows]
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
         self.spec_cache = None
+        self.schedules = self.estimator.schedules()
         self._round += 1
         self._reseed(1)
+        missing = self._uncached(through_t_prev=serial > 0)
+        if serial == 0 and len({len(m) for m in missing}) == 1:  # one plain step after another: nothing to run
+            self.unglued = torch.tensor(missing, dtype=torch.long, device=self.device).reshape(len(missing), -1)
+            empty = torch.zeros(0, dtype=torch.long, device=self.device)
+            self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
+            return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
+        self.unglued = self.unglued.new_zeros(len(keep_rows), 0)
+        first = self._feed(missing, through_t_prev=serial > 0, phase="serial" if serial else "glue")
+        if serial == 0:
+            empty = torch.zeros(0, dtype=torch.long, device=self.device)
+            self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
+            return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
+        every = torch.ones(len(keep_rows), dtype=torch.bool, device=self.device)
+        tokens, probs, tops = self._draft_just_in_time(every, serial, "serial", first=first)
+        self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i])
+                             for i in range(len(keep_rows))]
+        self.timings.serial_calls += 1
+        self.timings.serial_tokens += serial
+        self.timings.serial_seconds += time.perf_counter() - started
         return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
+
+    def _uncached(self, through_t_prev: bool) -> list[list[int]]:
+        """Per row, the committed tokens the draft cache lacks (it holds a prefix of the committed path), up to the
+        one before t_prev, or up to t_prev itself."""
+        valid = self.cache.valid
+        held = torch.where(valid, self.cache.positions + 1, torch.zeros_like(self.cache.positions))
+        held = held.amax(dim=1).tolist() if held.shape[1] else [0] * len(self.contexts)
+        end = (self.glue_start + int(through_t_prev)).tolist()
+        return [context[h:e] for context, h, e in zip(self.contexts, held, end)]
+
+    def _feed(self, missing: list[list[int]], through_t_prev: bool, phase: str) -> torch.Tensor | None:
+        """Append every row's `missing` tokens (ending just before t_prev, or with it) in one forward, rows with
+        fewer as invisible dummies first; returns the logits after each row's last one [b, V] (None if nothing
+        was missing)."""
+        width = max(len(m) for m in missing)
+        if width == 0:
+            return None
+        self.check()
+        rows = len(missing)
+        tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        real = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
+        last = self.glue_start if through_t_prev else self.glue_start - 1  # the last column's position, per row
+        first_position = last - (width - 1)
+        for r, m in enumerate(missing):
+            if m:
+                tokens[r, width - len(m):] = torch.tensor(m, device=self.device)
+                real[r, width - len(m):] = True
+        positions = first_position[:, None] + torch.arange(width, device=self.device)
+        positions = torch.where(real, positions, last[:, None])  # a dummy sits at its row's last position
+        visible = causal_visibility(self.cache.valid, width, real)
+        logits = self.cache.forward(tokens, positions, visible, valid=real, logits_to_keep=1, phase=phase)
+        return logits[:, -1]
 
     # --- transformers' CandidateGenerator interface (synchronous, batch 1) --------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):

@@ -55,10 +55,12 @@ def ssd_decoding(
     target = TargetBatch(model, input_ids, model_kwargs, logits_processor, generation_config)
     recorder, backups = MetricsRecorder(config.lookahead), AutoBackup(config.backup)
     target_threads = request.target_threads if kind != "sync" else torch.get_num_threads()
+    # serial rounds (the draft sits a verification out, then drafts on every core) only pay where the two share cores
+    shared_cores = input_ids.device.type == "cpu" and assistant_model.device.type == "cpu"
     policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,
                              concurrent=kind != "sync", device_type=input_ids.device.type,
                              memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
-                             draft_key=id(assistant_model))
+                             draft_key=id(assistant_model), serial=shared_cores)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -73,8 +75,9 @@ def ssd_decoding(
             depth = policy.depth(verified)
             with phase("wait_prepare"):  # a submission (inline with executor="sync": the whole task)
                 preparing = drafter.prepare(verified, depth)  # concurrent with the verification
-            # a plain step beside a paused draft, or one probing a token, runs on every core (as plain decoding)
-            idle = verified == 0 and depth <= 1
+            # the target runs on every core when the draft sits the verification out (a plain step, a serial round)
+            # or only probes one token beside a plain step
+            idle = depth == 0 or (verified == 0 and depth == 1)
             with recorder.verification():
                 verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores, idle)
             with phase("hand_off"):
@@ -94,7 +97,8 @@ def ssd_decoding(
                 preparing.result()
             backup = backups.decide(recorder, drafter.timings(), len(batch.active))
             with phase("wait_resolve"):
-                resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup).result()
+                resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup,
+                                              policy.serial).result()
             for i, resolution in zip(keep, resolutions):
                 if resolution.looked_up:
                     recorder.record_lookup(resolution.hit, verdict.accepted[i])

@@ -48,6 +48,9 @@ PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: 
 # from plain steps asks more (hysteresis): the estimates then rest on probes of the first position only.
 SPECULATE_MARGIN = 1.05
 RESUME_MARGIN = 1.2
+# How the next speculation is made (`LookaheadPolicy._mode`): by the draft during this verification, by the draft
+# after it (the draft sits the verification out and both run on every core in turn), or not at all.
+CONCURRENT, SERIAL, PLAIN = "concurrent", "serial", "plain"
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -141,14 +144,17 @@ class LookaheadPolicy:
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
                  device_type: str = "cpu", memory: LookaheadMemory | None = None, setting: tuple = (),
-                 draft_key: int | None = None):
+                 draft_key: int | None = None, serial: bool = False):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
+        self.serial_option = serial and concurrent and adaptive  # see `SERIAL` in the module docstring
         self.memory, self.setting, self.draft_key = memory, setting, draft_key
         if memory is not None and draft_key in memory.acceptance:
             acceptance_prior = memory.acceptance[draft_key]
         self.acceptance = AcceptanceTracker(lookahead + 1, acceptance_prior)
         self._active_rows = 1
-        self.verify = {}  # K -> _Ema of the target forward seconds
+        self.verify = {}  # K -> _Ema of the target forward seconds (K = 0: a plain step, on every core)
+        self.serial_verify = {}  # K >= 1 -> _Ema of a verification on every core while the draft sits it out
+        self.serial_token = _Ema(COST_DECAY)  # seconds per token drafted just in time, on every core
         # priors of the cost curve's shape, only until measured (see `shape`): measured on 2-core CPUs (fp32 Qwen
         # 1.5B: 2 positions 2.0-2.3x one, each further one +0.05-0.1x), near flat on GPUs
         self.jump, self.slope = (2.0, 0.1) if device_type == "cpu" else (1.02, 0.02)
@@ -170,11 +176,46 @@ class LookaheadPolicy:
         self._probes: set[int] = set()  # the decisions at which probes' samples are due
         self._exploring = False  # this round's K was chosen to time it
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
+        self._mode = CONCURRENT  # how the next speculation is made (CONCURRENT, SERIAL or PLAIN), see `depth`
+        self.serial = 0  # tokens the draft drafts just in time after this round's verification (SERIAL rounds)
 
     # --- the cost model ----------------------------------------------------------------------------------------
     def times(self) -> dict[int, float]:
         """T_v per K known now: this call's measurements over the remembered ones (scaled to this call)."""
         return {**self._remembered(), **{n: e.value for n, e in self.verify.items()}}
+
+    def serial_times(self) -> dict[int, float]:
+        """T_v per K >= 1 of verifications the draft sat out (on every core), as `times`."""
+        return {**self._remembered(serial=True), **{n: e.value for n, e in self.serial_verify.items()}}
+
+    def serial_verify_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
+        """T_v(k) on every core with the draft idle: measured; else along the measured serial ones as
+        `verify_seconds` guesses; with none measured yet, the plain step's time (also on every core; until measured,
+        as `verify_seconds` guesses it) times the concurrent curve's rise from its smallest measured K (optimistic
+        below it, so that it gets tried)."""
+        if k in serial:
+            return serial[k]
+        if serial:
+            return self.verify_seconds(k, serial)
+        plain = self.verify_seconds(0, table)
+        if plain is None:
+            return None
+        several = sorted((n, t) for n, t in table.items() if n >= 1)
+        if not several:
+            return plain
+        return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
+
+    def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
+        """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core:
+        per token as measured, else as a backup's or a tree step's), and the loop's overhead."""
+        verify = self.serial_verify_seconds(k, table, serial)
+        if verify is None:
+            return None
+        per_token = self.serial_token.value
+        if per_token is None:
+            per_token = (self.backup.value / self.k_max if self.backup.value is not None
+                         else (self.draft.value or 0.0) / (self.k_max + 1))
+        return verify + k * per_token + max(self.overhead.value or 0.0, 0.0)
 
     def verify_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
         """T_v(k): measured (in this call, or in earlier ones on this target: `LookaheadMemory`, scaled to this
@@ -203,18 +244,19 @@ class LookaheadPolicy:
         n, t = several[0]
         return t * (k + 1) / (n + 1)
 
-    def _remembered(self) -> dict[int, float]:
+    def _remembered(self, serial: bool = False) -> dict[int, float]:
         """Times of earlier calls in this setting, scaled by this call's measured / remembered ratio where both
         exist (as remembered when nothing overlaps yet)."""
         if self.memory is None:
             return {}
-        times = self.memory.times(self._setting())
-        ratios = [e.value / times[n] for n, e in self.verify.items() if n in times and times[n] > 0]
+        times = self.memory.times(self._setting(serial))
+        own = self.serial_verify if serial else self.verify
+        ratios = [e.value / times[n] for n, e in own.items() if n in times and times[n] > 0]
         scale = sum(ratios) / len(ratios) if ratios else 1.0
         return {n: t * scale for n, t in times.items()}
 
-    def _setting(self) -> tuple:
-        return (*self.setting, self._active_rows)
+    def _setting(self, serial: bool = False) -> tuple:
+        return (*self.setting, self._active_rows, *(("serial",) if serial else ()))
 
     def shape(self, k: int) -> float:
         """The prior cost curve T_v(k) / T_v(0): one position is a plain step (on a CPU a matrix-vector product,
@@ -264,10 +306,14 @@ class LookaheadPolicy:
         decision, self._decisions = self._decisions, self._decisions + 1
         verdict = decision in self._probes  # a probe's sample is due now (it was sent two decisions ago)
         self._probes.discard(decision)
-        if k == 0 and self._exploring:
+        self.serial = 0
+        if k == 0 and self._exploring and self._mode != SERIAL:
             depth, self._plain_run = 0, PAUSE_AFTER  # a plain step tried for its cost: timed with the draft paused
         elif self.trace and self.trace[-1]["why"] == "trial":
             depth = self.k_max  # probing's counters stay: a trial that fails goes back to them
+        elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
+            depth, self.serial, self._plain_run, self._probe_chain = 0, self._wanted, 0, 0
+            self._probe_every, self._since_probe = PROBE_EVERY, 0
         elif k > 0 or not self.adaptive or self._wanted > 0:
             depth, self._plain_run, self._probe_chain = self.k_max, 0, 0
             self._probe_every, self._since_probe = PROBE_EVERY, 0
@@ -294,11 +340,15 @@ class LookaheadPolicy:
                 depth = 0
         if self.trace:
             self.trace[-1]["depth"] = depth
+            if self.serial:
+                self.trace[-1]["serial"] = self.serial
         return depth
 
     def _choose(self, limit: int) -> int:
         """The best K within `limit`; `_wanted` keeps the best K over 0..K_max (what the next speculation should
-        allow, see `depth`)."""
+        allow, see `depth`) and `_mode` how to make it: concurrently (the draft works during this verification),
+        serially (it drafts after it, on every core) or not at all (plain steps)."""
+        self._mode = CONCURRENT
         if not self.adaptive:
             self._record(limit, None, "constant")
             return limit
@@ -317,29 +367,52 @@ class LookaheadPolicy:
             speeds = {k: expected_tokens(acceptance, k) / self.shape(k) for k in range(self.k_max + 1)}
             self._wanted = _best(speeds)
             choice = _best({k: v for k, v in speeds.items() if k <= limit})
+            self._mode = CONCURRENT if self._wanted else PLAIN
             self._record(choice, speeds, "prior shape")
             return choice
+        serial_table = self.serial_times() if self.serial_option else {}
+        serial_speeds = {}
+        for k in range(1, self.k_max + 1) if self.serial_option else ():
+            seconds = self.serial_round_seconds(k, table, serial_table)
+            if seconds is not None and seconds > 0:
+                serial_speeds[k] = expected_tokens(acceptance, k) / seconds
         margin = RESUME_MARGIN if self.trace and self.trace[-1]["k"] == 0 else SPECULATE_MARGIN
         self._wanted = _best(speeds, margin)
-        speeds = {k: v for k, v in speeds.items() if k <= limit}
-        best = _best(speeds, margin)
+        self._mode = CONCURRENT if self._wanted else PLAIN
+        best_serial = max(serial_speeds, key=serial_speeds.get) if serial_speeds else None
+        if best_serial is not None and serial_speeds[best_serial] > speeds[self._wanted] and (
+                0 not in speeds or serial_speeds[best_serial] >= margin * speeds[0]):
+            self._wanted, self._mode = best_serial, SERIAL
+        # this round: a K of the wanted kind (or a plain step) within what was prepared
+        now = serial_speeds if self._mode == SERIAL else speeds
+        within = {k: v for k, v in now.items() if k <= limit}
+        if 0 in speeds:
+            within[0] = speeds[0]
+        best = _best(within, margin) if within else 0
         if self._trial:
             self._trial = False
             if best == 0 and limit > 0:
-                self._record(limit, speeds, "trial")
+                self._mode = CONCURRENT
+                self._record(limit, speeds, "trial", serial_speeds)
                 return limit
-        known = set(table)
-        unmeasured = [k for k in speeds if k not in known and speeds[k] >= EXPLORE_WITHIN * speeds[best]]
+        top = max([*speeds.values(), *serial_speeds.values()])
+        unmeasured = [(v, k, CONCURRENT) for k, v in speeds.items() if k <= limit and k not in table]
+        unmeasured += [(v, k, SERIAL) for k, v in serial_speeds.items() if k <= limit and k not in serial_table]
+        unmeasured = [u for u in unmeasured if u[0] >= EXPLORE_WITHIN * top]
         if unmeasured:
-            choice = max(unmeasured, key=speeds.get)
+            _, choice, mode = max(unmeasured)
             self._exploring = True
-            self._record(choice, speeds, "explore")
+            if mode == SERIAL:
+                self._mode, self._wanted = SERIAL, max(self._wanted if self._mode == SERIAL else 0, choice)
+            elif self._mode == SERIAL:  # a concurrent K timed: the draft works during this verification
+                self._mode, self._wanted = CONCURRENT, self.k_max
+            self._record(choice, speeds, "explore", serial_speeds)
             return choice
-        self._record(best, speeds, "best")
+        self._record(best, speeds, "best", serial_speeds)
         return best
 
-    def _record(self, k: int, speeds: dict | None, why: str) -> None:
-        entry = {"k": k, "why": why, "wanted": self._wanted,
+    def _record(self, k: int, speeds: dict | None, why: str, serial_speeds: dict | None = None) -> None:
+        entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode,
                  "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
         if speeds:
             entry["tok_s"] = {n: round(v, 2) for n, v in speeds.items()}
@@ -348,6 +421,12 @@ class LookaheadPolicy:
             entry["draft_ms"] = round(1e3 * (self.draft.value or 0.0), 2)
             entry["overhead_ms"] = round(1e3 * (self.overhead.value or 0.0), 2)
             entry["hit_rate"] = None if self.hit_rate.value is None else round(self.hit_rate.value, 3)
+        if serial_speeds:
+            table, serial = self.times(), self.serial_times()
+            entry["serial_tok_s"] = {n: round(v, 2) for n, v in serial_speeds.items()}
+            entry["serial_verify_ms"] = {
+                n: round(1e3 * (self.serial_verify_seconds(n, table, serial) or 0.0), 2) for n in serial_speeds}
+            entry["serial_draft_ms_per_token"] = round(1e3 * (self.serial_token.value or 0.0), 2)
         self.trace.append(entry)
 
     # --- what a round measured ---------------------------------------------------------------------------------
@@ -396,11 +475,12 @@ class LookaheadPolicy:
         if first:  # the first verification holds the target's prefill
             return
         paused = self.trace[-1].get("depth", self.k_max) == 0 if self.trace else False
+        serial = paused and k > 0  # verified on every core while the draft sat it out
         if k > 0 or paused:  # a plain step is timed while the draft is paused: what choosing it costs for long
-            self.verify.setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
+            (self.serial_verify if serial else self.verify).setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
             if self.memory is not None and self.adaptive:
-                self.memory.record(self._setting(), k, forward_seconds)
-        backup_now = 0.0
+                self.memory.record(self._setting(serial), k, forward_seconds)
+        backup_now = serial_now = 0.0
         if previous is not None:
             calls = timings.prepare_calls - previous.prepare_calls
             if calls > 0:
@@ -409,12 +489,16 @@ class LookaheadPolicy:
             backup_now = timings.backup_seconds - previous.backup_seconds
             if backups > 0:
                 self.backup.add(backup_now / backups)
+            tokens = timings.serial_tokens - previous.serial_tokens
+            serial_now = timings.serial_seconds - previous.serial_seconds
+            if tokens > 0:
+                self.serial_token.add(serial_now / tokens)
         if lookups:
             self.hit_rate.add(hits / lookups)
         if wall is not None:
             draft = 0.0 if paused else self.draft.value or 0.0
             body = max(forward_seconds, draft) if self.concurrent else forward_seconds + draft
-            self.overhead.add(wall - body - backup_now)
+            self.overhead.add(wall - body - backup_now - serial_now)
 
     def metrics(self) -> dict:
         if self.memory is not None and self.draft_key is not None and self.acceptance.pooled_reached > 0:

@@ -72,8 +72,11 @@ class DraftExecutor(ABC):
         """The outcomes of the verification `prepare` works for (a hint: `prepare` may stop early)."""
 
     @abstractmethod
-    def resolve(self, accepted: list[int], bonus: list[int], verified: int, keep_rows: list[int], backup: str):
-        """Commit the outcomes; pending `list[Resolution]` for the rows in `keep_rows` (positions in the batch)."""
+    def resolve(self, accepted: list[int], bonus: list[int], verified: int, keep_rows: list[int], backup: str,
+                serial: int = 0):
+        """Commit the outcomes; pending `list[Resolution]` for the rows in `keep_rows` (positions in the batch).
+        After a verification the draft sat out (`prepare` of depth 0), `serial` > 0 drafts that many tokens now,
+        on every core (the target waits for them)."""
 
     @abstractmethod
     def timings(self):

@@ -151,9 +151,9 @@ class Worker:
         self.start_seconds = time.perf_counter() - start
 
     # --- messages ----------------------------------------------------------------------------------------------
-    def send(self, op: int, generation: int = 0, a: int = 0, b: int = 0, c: int = 0, payload=None) -> None:
+    def send(self, op: int, generation: int = 0, a: int = 0, b: int = 0, c: int = 0, payload=None, d: int = 0) -> None:
         try:
-            self.conn.send_bytes(wire.REQUEST.pack(op, generation, a, b, c))
+            self.conn.send_bytes(wire.REQUEST.pack(op, generation, a, b, c, d))
             if payload is not None:
                 self.conn.send(payload)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as err:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..cache.speculation_cache import PLAIN, Speculation
+from ..cache.speculation_cache import NOT_LOOKED_UP, Speculation
 from ..generation.candidate_generator import DraftTimings, Resolution
 from . import wire
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
@@ -57,8 +57,8 @@ class ProcessExecutor(DraftExecutor):
         self.worker, self.start_seconds, self.load_seconds = POOL.acquire(self.draft_model, self.request.draft_threads)
 
     # --- requests and replies ----------------------------------------------------------------------------------
-    def _send(self, op: int, a: int = 0, b: int = 0, c: int = 0, payload=None) -> int:
-        self.worker.send(op, self.generation, a, b, c, payload)
+    def _send(self, op: int, a: int = 0, b: int = 0, c: int = 0, payload=None, d: int = 0) -> int:
+        self.worker.send(op, self.generation, a, b, c, payload, d)
         self._sent += 1
         return self._sent
 
@@ -80,7 +80,7 @@ class ProcessExecutor(DraftExecutor):
         for i, (source, hit, length) in enumerate(meta):
             probs = None if buffers.probs is None else buffers.probs[slot, i, :length]
             speculation = Speculation(buffers.tokens[slot, i, :length], probs, wire.source_name(source))
-            out.append(Resolution(speculation, bool(hit), looked_up=speculation.source != PLAIN))
+            out.append(Resolution(speculation, bool(hit), looked_up=speculation.source not in NOT_LOOKED_UP))
         return out
 
     # --- the round protocol ------------------------------------------------------------------------------------
@@ -112,19 +112,21 @@ class ProcessExecutor(DraftExecutor):
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
         self.worker.control[wire.ANNOUNCED] = wire.announcement(self.generation, self.round)
 
-    def resolve(self, accepted, bonus, verified, keep_rows, backup):
+    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial=0):
         n = len(accepted)
         self.buffers.outcomes[:n, 0] = torch.tensor(accepted)
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
         self.buffers.keep[: len(keep_rows)] = torch.tensor(keep_rows, dtype=torch.long)
         self.slot ^= 1
         slot, count = self.slot, len(keep_rows)
-        seq = self._send(wire.RESOLVE, verified, wire.BACKUPS.index(backup), count)
+        seq = self._send(wire.RESOLVE, verified, wire.BACKUPS.index(backup), count, d=serial)
         return _Pending(self, seq, lambda: self._speculations(slot, count))
 
     def timings(self) -> DraftTimings:
-        calls, seconds, backup_calls, backup_seconds, _ = self.buffers.stats.tolist()
-        return DraftTimings(int(calls), seconds, int(backup_calls), backup_seconds)
+        calls, seconds, backup_calls, backup_seconds, serial_calls, serial_seconds, serial_tokens, _ = (
+            self.buffers.stats.tolist())
+        return DraftTimings(int(calls), seconds, int(backup_calls), backup_seconds, int(serial_calls), serial_seconds,
+                            int(serial_tokens))
 
     def finish(self):
         self._stop_in_flight()
@@ -134,7 +136,7 @@ class ProcessExecutor(DraftExecutor):
 
     @property
     def busy_seconds(self) -> float:
-        return float(self.buffers.stats[4]) if self.buffers is not None else 0.0
+        return float(self.buffers.stats[wire.STATS - 1]) if self.buffers is not None else 0.0
 
     def _stop_in_flight(self) -> None:
         """Cancel the tasks sent and not answered (the running one stops at its next check); read their replies."""

@@ -16,14 +16,17 @@ import torch
 
 from ..cache.speculation_cache import SOURCES
 
-# Requests: header (op, generation, a, b, c), some followed by one pickled payload.
+# Requests: header (op, generation, a, b, c, d), some followed by one pickled payload.
 LOAD, FORGET, BEGIN, PREPARE, RESOLVE, FINISH, CLOSE = range(1, 8)
-REQUEST = struct.Struct("<5q")
+REQUEST = struct.Struct("<6q")
 # Replies: header (status, generation, op, has_payload), then the payload if any.
 OK, ERROR, CANCELLED, READY = range(4)
 REPLY = struct.Struct("<4q")
 
 BACKUPS = ("draft", "ngram", "random")  # backup codes in a RESOLVE request
+# `RoundBuffers.stats`: the drafter's `DraftTimings` (prepare calls, seconds; backup calls, seconds; serial calls,
+# seconds, tokens) and the worker's busy seconds
+STATS = 8
 
 # The worker's control block, written by the parent between pipe messages and read by the worker between forwards.
 CANCELLED_GENERATION = 0  # the generation whose work must stop
@@ -47,7 +50,7 @@ class RoundBuffers:
     speculations come back double-buffered by round parity, so the ones being verified stay intact while the next
     ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V] (sampling only), `meta` [2, rows, 3]
     (source code, hit, length: a speculation may be shorter than K). `stats` holds the drafter's running
-    `DraftTimings` and busy seconds.
+    `DraftTimings` and busy seconds (`STATS`).
     """
 
     outcomes: torch.Tensor
@@ -72,7 +75,7 @@ class RoundBuffers:
             outcomes=host(rows, 2), keep=host(rows),
             tokens=on_device(2, rows, lookahead, dtype=torch.long),
             probs=None if vocab_size is None else on_device(2, rows, lookahead, vocab_size, dtype=torch.float32),
-            meta=host(2, rows, 3), stats=host(5, dtype=torch.float64),
+            meta=host(2, rows, 3), stats=host(STATS, dtype=torch.float64),
         )
 
     def fits(self, rows: int, lookahead: int, vocab_size: int | None, device: torch.device) -> bool:

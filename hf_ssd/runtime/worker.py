@@ -24,8 +24,10 @@ from .executor import DraftCancelled
 class _Session:
     """One generation's drafter and buffers, as the worker sees them."""
 
-    def __init__(self, generation: int, drafter, buffers: wire.RoundBuffers):
+    def __init__(self, generation: int, drafter, buffers: wire.RoundBuffers, draft_threads: int = 1,
+                 threads: int = 1):
         self.generation, self.drafter, self.buffers = generation, drafter, buffers
+        self.draft_threads, self.threads = draft_threads, threads  # its own, and every core of the generation
         self.round = 0
         self.slot = 0
         self.busy = 0.0
@@ -47,14 +49,14 @@ class _Server:
     def serve(self) -> None:
         while True:
             try:
-                op, generation, a, b, c = wire.REQUEST.unpack(self.conn.recv_bytes())
+                op, generation, a, b, c, d = wire.REQUEST.unpack(self.conn.recv_bytes())
             except (EOFError, OSError):  # the parent is gone
                 return
             if op == wire.CLOSE:
                 self.reply(wire.OK, generation, op)
                 return
             try:
-                payload = self.handle(op, generation, a, b, c)
+                payload = self.handle(op, generation, a, b, c, d)
                 self.reply(wire.OK, generation, op, payload)
             except DraftCancelled:
                 self.reply(wire.CANCELLED, generation, op)
@@ -62,7 +64,7 @@ class _Server:
                 self.session = None
                 self.reply(wire.ERROR, generation, op, _error_payload(err))
 
-    def handle(self, op: int, generation: int, a: int, b: int, c: int):
+    def handle(self, op: int, generation: int, a: int, b: int, c: int, d: int = 0):
         if op == wire.LOAD:
             self.drafts[a] = self.conn.recv().eval()
             return None
@@ -88,7 +90,7 @@ class _Server:
                     session.round = a
                     session.drafter.prepare(verified=b, depth=c)
                 elif op == wire.RESOLVE:
-                    self.resolve(session, verified=a, backup=wire.BACKUPS[b], kept=c)
+                    self.resolve(session, verified=a, backup=wire.BACKUPS[b], kept=c, serial=d)
                 else:
                     raise RuntimeError(f"hf_ssd draft worker: unknown request {op}.")
                 _synchronize(session.drafter.device)
@@ -120,7 +122,8 @@ class _Server:
             draft, SSDConfig.coerce(request.config), request.do_sample, request.warpers, request.vocab_size,
             request.seed, check=check, announced=announced,
         )
-        self.session = session = _Session(generation, drafter, buffers)
+        self.session = session = _Session(generation, drafter, buffers, request.draft_threads,
+                                          request.draft_threads + request.target_threads)
         start = time.perf_counter()
         try:
             # The target waits for the prefill: it gets every core of this generation.
@@ -137,11 +140,17 @@ class _Server:
             self._publish(session)
         return None
 
-    def resolve(self, session: _Session, verified: int, backup: str, kept: int) -> None:
+    def resolve(self, session: _Session, verified: int, backup: str, kept: int, serial: int = 0) -> None:
         buffers, drafter = session.buffers, session.drafter
         outcomes = [tuple(row) for row in buffers.outcomes[: drafter.rows].tolist()]
         keep_rows = buffers.keep[:kept].tolist()
-        resolutions = drafter.resolve(outcomes, verified, keep_rows, backup)
+        if serial:  # the target waits for this speculation: every core of this generation drafts it
+            torch.set_num_threads(session.threads)
+        try:
+            resolutions = drafter.resolve(outcomes, verified, keep_rows, backup, serial)
+        finally:
+            if serial:
+                torch.set_num_threads(session.draft_threads)
         session.slot ^= 1
         self._write(session, [(r.speculation, r.hit) for r in resolutions])
 
@@ -157,7 +166,8 @@ class _Server:
     def _publish(self, session: _Session) -> None:
         t = session.drafter.timings
         session.buffers.stats.copy_(torch.tensor(
-            [t.prepare_calls, t.prepare_seconds, t.backup_calls, t.backup_seconds, session.busy], dtype=torch.float64
+            [t.prepare_calls, t.prepare_seconds, t.backup_calls, t.backup_seconds, t.serial_calls, t.serial_seconds,
+             t.serial_tokens, session.busy], dtype=torch.float64
         ))
 
     def _check(self, generation: int) -> None:
