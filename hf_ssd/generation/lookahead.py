@@ -311,6 +311,8 @@ class LookaheadPolicy:
             depth, self._plain_run = 0, PAUSE_AFTER  # a plain step tried for its cost: timed with the draft paused
         elif self.trace and self.trace[-1]["why"] == "trial":
             depth = self.k_max  # probing's counters stay: a trial that fails goes back to them
+            if self.serial_option:
+                depth, self.serial = 0, self.k_max
         elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
             depth, self.serial, self._plain_run, self._probe_chain = 0, self._wanted, 0, 0
             self._probe_every, self._since_probe = PROBE_EVERY, 0
@@ -338,6 +340,8 @@ class LookaheadPolicy:
                 self._probes.add(decision + 2)
             else:
                 depth = 0
+            if depth and self.serial_option:  # drafted after the plain step, on every core: cheaper than beside it
+                depth, self.serial = 0, depth
         if self.trace:
             self.trace[-1]["depth"] = depth
             if self.serial:
@@ -392,7 +396,7 @@ class LookaheadPolicy:
         if self._trial:
             self._trial = False
             if best == 0 and limit > 0:
-                self._mode = CONCURRENT
+                self._mode = SERIAL if self.serial_option else CONCURRENT
                 self._record(limit, speeds, "trial", serial_speeds)
                 return limit
         top = max([*speeds.values(), *serial_speeds.values()])
