@@ -99,10 +99,10 @@ def test_layer_truncated_draft_mixes_hits_and_misses():
     input_ids = torch.randint(0, 96, (1, 12))
     expected = _plain(target, input_ids, 60)
     out = target.generate(input_ids, assistant_model=draft, max_new_tokens=60, do_sample=False,
-                          ssd_config=SSDConfig(lookahead=3, fanout_budget=16))
+                          ssd_config=SSDConfig(lookahead=3, fanout_budget=16, lookahead_schedule="constant"))
     assert torch.equal(out, expected)
     m = target.ssd_metrics
-    assert m.cache_hits > 0 and m.cache_lookups > m.cache_hits
+    assert m.cache_hits > 0 and m.cache_lookups > m.cache_hits  # every round on the cache path (constant K)
 
 
 @given(

@@ -42,8 +42,11 @@ def case(pair):
 
 
 def ssd(target, draft, ids, executor="process", **kwargs):
-    return target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(lookahead=3, executor=executor),
-                           max_new_tokens=NEW, do_sample=False, **kwargs)
+    # the constant schedule: every round runs the worker's whole protocol (prepare, tree, resolve), which an
+    # adaptive one would replace by plain steps or serial rounds where the tiny models make them faster
+    config = SSDConfig(lookahead=3, executor=executor, lookahead_schedule="constant")
+    return target.generate(ids, assistant_model=draft, ssd_config=config, max_new_tokens=NEW, do_sample=False,
+                           **kwargs)
 
 
 def pid_alive(pid: int) -> bool:
