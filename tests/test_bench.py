@@ -32,6 +32,7 @@ from hf_ssd.bench import (
     summarise,
     summarise_method,
 )
+from hf_ssd.bench.aggregate import measured_round_costs
 from hf_ssd.bench.measure import SD_SCHEDULE
 from hf_ssd.cli import main
 
@@ -214,6 +215,12 @@ def test_adaptive_prediction_over_the_rounds_the_policy_chose():
     every = Latencies(target_step_ms=250.0, draft_step_ms=45.0, target_verify_ms={4: 500.0})  # on every core
     both = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"0": [10, 0], "4": [10, 0, 45.0]}, every)
     assert both["ssd_tok_s"] == pytest.approx(1e3 * (10 + 45.0) / (10 * 255.0 + 10 * (500.0 + 4 * 45.0 + 5.0)))
+    measured = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [10, 0, 45.0]}, every, 70.0, 12.0)
+    assert measured["ssd_tok_s"] == pytest.approx(1e3 * 4.5 / (500.0 + 4 * 70.0 + 12.0))  # the run's own costs
+    runs = [{"lookahead_decisions": [{"k": 2, "serial_draft_ms_per_token": 60.0, "overhead_ms": 4.0},
+                                     {"k": 2, "serial_draft_ms_per_token": 80.0, "overhead_ms": 6.0}]},
+            {"lookahead_decisions": [{"k": 0, "overhead_ms": 10.0}]}]
+    assert measured_round_costs(runs) == {"serial_draft_ms_per_token": 80.0, "round_overhead_ms": 8.0}
     best = adaptive_prediction(lat, stats, 4, 8, "draft", "x")  # no mix: the best single K
     assert best["adaptive_best_k"] in range(5)
 

@@ -405,27 +405,32 @@ def serial_scripted(monkeypatch):
     _script(monkeypatch, SERIAL_SCRIPT)
 
 
-def serial_ks(rounds: int, k_max: int = 3) -> list[int]:
-    """The K each round verifies under SERIAL_SCRIPT: at most what the previous round prepared or drafted."""
-    ks, prepared = [], k_max
-    for step in itertools.islice(itertools.cycle(SERIAL_SCRIPT), rounds):
-        ks.append(min(step[0], prepared))
-        prepared = step[2] if step[1] == 0 and len(step) > 2 else step[1]
-    return ks
-
-
 @pytest.fixture
 def law_scripted(monkeypatch):
     _script(monkeypatch, LAW_SCRIPT)
 
 
-def scripted_ks(rounds: int, k_max: int = 3) -> list[int]:
-    """The K each round verifies under SCRIPT: at most what the previous round prepared."""
+def scripted_ks(rounds: int, k_max: int = 3, script=None) -> list[int]:
+    """The K each round verifies under `script` (default SCRIPT): at most what the previous round prepared or, for a
+    serial step (K, 0, serial), drafted after its verification."""
     ks, prepared = [], k_max
-    for k, depth in itertools.islice(itertools.cycle(SCRIPT), rounds):
-        ks.append(min(k, prepared))
-        prepared = depth
+    for step in itertools.islice(itertools.cycle(script or SCRIPT), rounds):
+        ks.append(min(step[0], prepared))
+        prepared = step[2] if step[1] == 0 and len(step) > 2 else step[1]
     return ks
+
+
+def scripted_runs(arch: str, executor: str, seed: int, new_tokens: int):
+    """(whether the draft is the target itself, metrics) of SSD with the target as its own draft and with an
+    unrelated one, each output checked against plain greedy decoding."""
+    target, random_draft = tiny_pair(arch, seed=seed)
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(seed % 7 + 3))
+    expected = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    for draft in (target, random_draft):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=new_tokens, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected), (arch, executor)
+        yield draft is target, target.ssd_metrics
 
 
 ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
@@ -434,20 +439,13 @@ ARCHS = ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"]
 @pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_identical_while_k_changes(scripted, arch, executor):
-    target, random_draft = tiny_pair(arch, seed=60 + ARCHS.index(arch))
-    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(5))
-    expected = target.generate(ids, max_new_tokens=33, do_sample=False)
-    for draft in (target, random_draft):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=33, do_sample=False,
-                              ssd_config=SSDConfig(lookahead=3, executor=executor))
-        assert torch.equal(out, expected), (arch, executor)
-        m = target.ssd_metrics
+    for itself, m in scripted_runs(arch, executor, seed=60 + ARCHS.index(arch), new_tokens=33):
         assert len(m.lookahead_per_round) == m.batch_rounds and m.generated_tokens == 33
         limits = [decision["limit"] for decision in m.lookahead_decisions]  # what was prepared and max_length leave
         assert m.lookahead_per_round == [min(k, limit) for k, limit in zip(scripted_ks(m.batch_rounds), limits)]
         assert m.lookahead_per_round[:-3] == scripted_ks(m.batch_rounds)[:-3]  # max_length cuts only the last ones
         assert m.rounds_by_source.get("plain", 0) >= 2  # paused plain steps ran (and resumed: K > 0 after them)
-        if draft is target:
+        if itself:
             assert m.cache_hits > 0 and m.draft_acceptance_rate == 1.0
 
 
@@ -456,18 +454,12 @@ def test_greedy_identical_while_k_changes(scripted, arch, executor):
 def test_greedy_identical_through_serial_rounds(serial_scripted, arch, executor):
     """Rounds the draft sits out and then drafts for just in time (on every core), mixed with concurrent rounds and
     plain steps: the output is plain decoding's, and every serial speculation is verified as scripted."""
-    target, random_draft = tiny_pair(arch, seed=80 + ARCHS.index(arch))
-    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(8))
-    expected = target.generate(ids, max_new_tokens=37, do_sample=False)
-    for draft in (target, random_draft):
-        out = target.generate(ids, assistant_model=draft, max_new_tokens=37, do_sample=False,
-                              ssd_config=SSDConfig(lookahead=3, executor=executor))
-        assert torch.equal(out, expected), (arch, executor)
-        m = target.ssd_metrics
+    for itself, m in scripted_runs(arch, executor, seed=80 + ARCHS.index(arch), new_tokens=37):
         limits = [decision["limit"] for decision in m.lookahead_decisions]
-        assert m.lookahead_per_round == [min(k, limit) for k, limit in zip(serial_ks(m.batch_rounds), limits)]
+        expected = scripted_ks(m.batch_rounds, script=SERIAL_SCRIPT)
+        assert m.lookahead_per_round == [min(k, limit) for k, limit in zip(expected, limits)]
         assert m.rounds_by_source.get("serial", 0) >= 4 and m.generated_tokens == 37
-        if draft is target:
+        if itself:
             assert m.draft_acceptance_rate == 1.0 and m.tokens_per_round_by_source["serial"] > 1
 
 

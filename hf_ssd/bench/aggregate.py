@@ -119,7 +119,23 @@ def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str
         "target_threads": next((m.get("target_threads") for m in metrics_list), None),
         "fanout_schedule_last": next((m.get("fanout_schedule") for m in reversed(metrics_list)), None),
         "rounds_by_lookahead": rounds_by_lookahead(metrics_list),
+        **measured_round_costs(metrics_list),
     }
+
+
+def measured_round_costs(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """What the lookahead policy measured of its rounds (the last estimate of each run, averaged over runs): the
+    draft's cost per token drafted just in time after a verification it sat out (`serial_draft_ms_per_token`: a
+    draft step plus the drafter's own work per token) and the loop's overhead per round (`round_overhead_ms`);
+    None where no run measured it."""
+    def last(m, key):
+        return next((d[key] for d in reversed(m.get("lookahead_decisions") or []) if d.get(key)), None)
+
+    out = {}
+    for key, name in (("serial_draft_ms_per_token",) * 2, ("overhead_ms", "round_overhead_ms")):
+        values = [v for v in (last(m, key) for m in metrics_list) if v is not None]
+        out[name] = sum(values) / len(values) if values else None
+    return out
 
 
 def round_statistics(records: Sequence[RunRecord]) -> dict[str, Any]:

@@ -115,7 +115,8 @@ def _backup_kind(backup: str) -> str:
 
 
 def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str,
-                        mix: Mapping[str, Sequence] | None = None, lat_all=None) -> dict[str, Any]:
+                        mix: Mapping[str, Sequence] | None = None, lat_all=None,
+                        serial_token_ms: float | None = None, overhead_ms: float | None = None) -> dict[str, Any]:
     """The speed model for a run whose rounds verify K = 0..K_max (`lookahead_schedule="adaptive"`): SD and AR as
     usual at K_max; SSD over the rounds the policy chose, `mix` (`rounds_by_lookahead`: per K, rounds with the
     draft paused / working and the tokens they brought): tokens Σ n_K·E(K) over time Σ n_K·R(K), with R(K) the
@@ -123,8 +124,10 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
     right, so the run's pooled acceptance would understate them), else from the acceptance profile and hit rate. A
     plain step (K = 0) is one target step on every core (`lat_all`: latencies on the draft's and the target's
     threads together; `lat` if not given), beside the draft's probe (a glue and one tree step) when the draft
-    worked; a serial round (K > 0, the draft paused) is a verification on every core plus K draft steps. Without a
-    mix: the best single K for these latencies and statistics (K = 0: plain target steps)."""
+    worked; a serial round (K > 0, the draft paused) is a verification on every core plus K tokens drafted just in
+    time (`serial_token_ms`, as the run measured them: a draft step and the drafter's own work; else a draft step).
+    `overhead_ms`, the loop's overhead per round as the run measured it, replaces the latencies' where given.
+    Without a mix: the best single K for these latencies and statistics (K = 0: plain target steps)."""
     from ..speed_model import _concurrent, predict
 
     pred = predict(lat, stats, lookahead, budget, backup, label=label)
@@ -137,8 +140,11 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
         return dict(pred, ssd_tok_s=best, ssd_over_ar=best / pred["ar_tok_s"], ssd_over_sd=best / pred["sd_tok_s"],
                     adaptive_best_k=best_k)
     per_k = dataclasses.replace(stats, e_hit=None, e_miss=None)  # the measured means mix every K: use the profile
+    if overhead_ms is not None:
+        lat = dataclasses.replace(lat, round_overhead_ms=max(overhead_ms, 0.0))
     probe = lat.draft_forward(2) + lat.tree_step(budget)
     every = lat_all or lat
+    per_token = max(serial_token_ms or 0.0, every.draft_step_ms)
     tokens = seconds = 0.0
     breakdown = {}
     for key, (paused, working, *brought) in mix.items():
@@ -155,7 +161,7 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
             if measured is not None and paused + working:
                 e = measured / (paused + working)
             round_ms = at_k["breakdown_ms"]["ssd_mean_round"]
-            serial_ms = every.verify(k) + k * every.draft_step_ms + lat.round_overhead_ms
+            serial_ms = every.verify(k) + k * per_token + lat.round_overhead_ms
             tokens += (paused + working) * e
             seconds += working * round_ms + paused * serial_ms
             breakdown[key] = {"rounds": [paused, working], "E": e, "round_ms": [serial_ms, round_ms]}
@@ -198,7 +204,8 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
                 lat_all = latencies_for_model({**base, **every_core}, settings.overlap_efficiency) if (
                     every_core and threads == settings.target_threads) else None
                 pred = adaptive_prediction(lat, stats, settings.lookahead, settings.budget, backup, label,
-                                           ssd.get("rounds_by_lookahead"), lat_all)
+                                           ssd.get("rounds_by_lookahead"), lat_all,
+                                           ssd.get("serial_draft_ms_per_token"), ssd.get("round_overhead_ms"))
             else:
                 pred = predict(lat, stats, settings.lookahead, settings.budget, backup, label=label)
             for m in methods:
