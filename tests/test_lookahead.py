@@ -354,6 +354,23 @@ def test_a_later_call_remembers_the_cost_curve(clock):
     assert other.verify_seconds(4) is None and other.acceptance.prior == 0.7  # another setting, another draft
 
 
+def test_a_close_remembered_cost_is_timed_again(clock):
+    """A K timed only in an earlier call (at another context, where the cost curve's steps may lie elsewhere) whose
+    remembered speed comes within 10 % of the best is timed once in this call; then its own measurement decides."""
+    memory = lookahead_module.LookaheadMemory()
+    for k, seconds in {0: 0.25, 1: 0.335, 2: 0.335, 3: 0.51, 4: 0.52}.items():
+        memory.record(("thread", 1, 1), k, seconds)
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.95, concurrent=True, memory=memory,
+                             setting=("thread", 1))
+    policy._rounds = 3
+    _measured(policy, {4: 0.52})
+    policy.acceptance.reached = [10.0] * 5
+    policy.acceptance.passed = [9.5] * 5
+    assert policy.choose(4) == 2 and policy.trace[-1]["why"] == "explore"  # remembered, close: timed again
+    _measured(policy, {2: 0.26})  # cheaper in this context
+    assert policy.choose(4) == 2 and policy.trace[-1]["why"] == "best"
+
+
 def test_constant_schedule_always_verifies_k_max(clock):
     policy = LookaheadPolicy(3, adaptive=False, acceptance_prior=0.7, concurrent=True)
     assert _drive(policy, 8, accept_all=False, clock=clock) == [3] * 8

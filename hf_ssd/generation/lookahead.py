@@ -400,8 +400,13 @@ class LookaheadPolicy:
                 self._record(limit, speeds, "trial", serial_speeds)
                 return limit
         top = max([*speeds.values(), *serial_speeds.values()])
-        unmeasured = [(v, k, CONCURRENT) for k, v in speeds.items() if k <= limit and k not in table]
-        unmeasured += [(v, k, SERIAL) for k, v in serial_speeds.items() if k <= limit and k not in serial_table]
+        # never timed, or only remembered: remembered costs come from other contexts (the curve's steps move with
+        # the context), so a close competitor of the best is timed again once in this call
+        serial_now = self._mode == SERIAL
+        unmeasured = [(v, k, CONCURRENT) for k, v in speeds.items() if k <= limit and (
+            k not in table or (k not in self.verify and (serial_now or k != best)))]
+        unmeasured += [(v, k, SERIAL) for k, v in serial_speeds.items() if k <= limit and (
+            k not in serial_table or (k not in self.serial_verify and (not serial_now or k != best)))]
         unmeasured = [u for u in unmeasured if u[0] >= EXPLORE_WITHIN * top]
         if unmeasured:
             _, choice, mode = max(unmeasured)
