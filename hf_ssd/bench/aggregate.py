@@ -132,7 +132,8 @@ def measured_round_costs(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str,
         return next((d[key] for d in reversed(m.get("lookahead_decisions") or []) if d.get(key)), None)
 
     out = {}
-    for key, name in (("serial_draft_ms_per_token",) * 2, ("overhead_ms", "round_overhead_ms")):
+    names = {"serial_draft_ms_per_token": "serial_draft_ms_per_token", "overhead_ms": "round_overhead_ms"}
+    for key, name in names.items():
         values = [v for v in (last(m, key) for m in metrics_list) if v is not None]
         out[name] = sum(values) / len(values) if values else None
     return out

@@ -310,9 +310,7 @@ class LookaheadPolicy:
         if k == 0 and self._exploring and self._mode != SERIAL:
             depth, self._plain_run = 0, PAUSE_AFTER  # a plain step tried for its cost: timed with the draft paused
         elif self.trace and self.trace[-1]["why"] == "trial":
-            depth = self.k_max  # probing's counters stay: a trial that fails goes back to them
-            if self.serial_option:
-                depth, self.serial = 0, self.k_max
+            depth = self._drafted_after(self.k_max)  # probing's counters stay: a trial that fails goes back to them
         elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
             depth, self.serial, self._plain_run, self._probe_chain = 0, self._wanted, 0, 0
             self._probe_every, self._since_probe = PROBE_EVERY, 0
@@ -340,12 +338,19 @@ class LookaheadPolicy:
                 self._probes.add(decision + 2)
             else:
                 depth = 0
-            if depth and self.serial_option:  # drafted after the plain step, on every core: cheaper than beside it
-                depth, self.serial = 0, depth
+            depth = self._drafted_after(depth)
         if self.trace:
             self.trace[-1]["depth"] = depth
             if self.serial:
                 self.trace[-1]["serial"] = self.serial
+        return depth
+
+    def _drafted_after(self, depth: int) -> int:
+        """With serial rounds available, the draft's work for a probe or a trial is done after the verification, on
+        every core (cheaper than beside it): depth 0 now, `serial` tokens drafted just in time."""
+        if depth and self.serial_option:
+            self.serial = depth
+            return 0
         return depth
 
     def _choose(self, limit: int) -> int:
@@ -402,12 +407,13 @@ class LookaheadPolicy:
         top = max([*speeds.values(), *serial_speeds.values()])
         # never timed, or only remembered: remembered costs come from other contexts (the curve's steps move with
         # the context), so a close competitor of the best is timed again once in this call
-        serial_now = self._mode == SERIAL
-        unmeasured = [(v, k, CONCURRENT) for k, v in speeds.items() if k <= limit and (
-            k not in table or (k not in self.verify and (serial_now or k != best)))]
-        unmeasured += [(v, k, SERIAL) for k, v in serial_speeds.items() if k <= limit and (
-            k not in serial_table or (k not in self.serial_verify and (not serial_now or k != best)))]
-        unmeasured = [u for u in unmeasured if u[0] >= EXPLORE_WITHIN * top]
+        def untimed(mode, mode_speeds, known, timed_now):
+            chosen = (mode == SERIAL) == (self._mode == SERIAL)  # `best` is a K of this mode
+            return [(v, k, mode) for k, v in mode_speeds.items() if k <= limit and v >= EXPLORE_WITHIN * top and (
+                k not in known or (k not in timed_now and not (chosen and k == best)))]
+
+        unmeasured = untimed(CONCURRENT, speeds, table, self.verify) + untimed(
+            SERIAL, serial_speeds, serial_table, self.serial_verify)
         if unmeasured:
             _, choice, mode = max(unmeasured)
             self._exploring = True
