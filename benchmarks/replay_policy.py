@@ -1,0 +1,250 @@
+"""Replay the lookahead policy offline: many prompts in seconds instead of an hour of `hf-ssd bench`.
+
+Under greedy decoding a speculation's fate is fixed by the text: the draft's chain from output position i agrees
+with the target's output for L_i tokens, where L_i counts the consecutive positions from i at which the draft's
+teacher-forced argmax equals the target's token (once the draft's token is right, its next prediction is the
+teacher-forced one). So one target generation and one draft forward per prompt give every round's outcome for any
+K, and the real `LookaheadPolicy` can be driven round by round against a cost profile (a fake clock), as the
+decoding loop drives it:
+
+    python benchmarks/replay_policy.py record --prompts humaneval,gsm8k,mt_bench,alpaca --limit 8 --out runs.json
+    python benchmarks/replay_policy.py replay runs.json --profile epyc
+
+`replay` prints decode tok/s per set for AR, SD at fixed K (serial drafting) and SSD with the policy, as ratios to
+AR. What it leaves out: cache misses are an expected backup cost (`--hit-rate`), not the fan-out's real lookups;
+costs do not grow with context; sampling is not modelled. It ranks policy changes; `hf-ssd bench` measures them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from hf_ssd.generation import lookahead as lookahead_module
+from hf_ssd.generation.candidate_generator import DraftTimings
+from hf_ssd.generation.lookahead import LookaheadPolicy
+
+# Cost profiles (ms), measured with the Qwen2.5-Coder 1.5B fp32 / 0.5B int8 pair on 2-core machines:
+# verify[k]: the target over k+1 positions on one thread beside the working draft; verify_all[k]: on every core
+# with the draft idle (plain steps while paused, serial rounds); draft_token: one draft step on one thread (tree
+# rounds cost `draft_token` per level), draft_token_all on every core; contention: a plain step beside a working
+# draft (its memory traffic) over one with it paused.
+PROFILES = {
+    # 2-core AMD EPYC, 2026-12-01 bench (docs/figures/bench_adaptive_k4.md) and docs/design.md's curve
+    "epyc": dict(verify=[436, 870, 1254, 826, 981, 1000, 1020, 1040, 1060],
+                 verify_all=[466, 900, 1300, 860, 1000, 1020, 1040, 1060, 1080],
+                 draft_token=45.0, draft_token_all=42.0, contention=1.19, overhead=5.0),
+    # the same kind of machine on 2026-12-02 (its K = 8 bench traces): slower, a steeper curve, a slower draft
+    "epyc-slow": dict(verify=[650, 1310, 1970, 1970, 2000, 2050, 2330, 2250, 2380],
+                      verify_all=[650, 1340, 1340, 1340, 1340, 2060, 2060, 2060, 2300],
+                      draft_token=170.0, draft_token_all=110.0, contention=1.19, overhead=5.0),
+    # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
+    "xeon": dict(verify=[417, 430, 441, 441, 830, 860, 1100, 1170, 1200],
+                 verify_all=[245, 260, 270, 270, 500, 520, 660, 700, 720],
+                 draft_token=58.0, draft_token_all=53.0, contention=1.19, overhead=5.0),
+}
+
+
+@dataclass
+class Run:
+    dataset: str
+    index: int
+    agree: list[int]  # L_i per output position (capped at 16)
+    first_tokens: int = 0  # tokens of the first round (excluded from decode tok/s, as the bench does)
+    notes: dict = field(default_factory=dict)
+
+
+def agreement_runs(matches: list[bool], cap: int = 16) -> list[int]:
+    """L_i: consecutive matches from position i (capped)."""
+    runs, current = [0] * len(matches), 0
+    for i in range(len(matches) - 1, -1, -1):
+        current = current + 1 if matches[i] else 0
+        runs[i] = min(current, cap)
+    return runs
+
+
+def record(args) -> int:
+    from hf_ssd.bench import load_models
+    from hf_ssd.bench.prompts import encode_prompt, load_prompt_sets
+
+    target, draft, tokenizer, _ = load_models(args.target, args.draft, "fp32", args.draft_precision)
+    sets = load_prompt_sets(args.prompts, args.skip + args.limit, args.prompts_dir)
+    torch.set_num_threads(args.threads)
+    out = []
+    for prompt_set in sets:
+        for index, text in list(enumerate(prompt_set.prompts))[args.skip:]:
+            ids = encode_prompt(tokenizer, text)
+            with torch.no_grad():
+                generated = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+                logits = draft(generated).logits[0]
+            n = ids.shape[1]
+            output = generated[0, n:]
+            predicted = logits[n - 1 : generated.shape[1] - 1].argmax(-1)
+            matches = (predicted == output).tolist()
+            out.append({"dataset": prompt_set.name, "index": index, "agree": agreement_runs(matches),
+                        "prompt_tokens": n})
+            print(f"{prompt_set.name}[{index}]: {len(matches)} tokens, draft agrees on "
+                  f"{sum(matches) / max(len(matches), 1):.2f}", file=sys.stderr)
+    Path(args.out).write_text(json.dumps({"runs": out}))
+    return 0
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, serial: bool,
+               memory=None) -> tuple[float, float, list[int]]:
+    """(decode tokens, decode seconds, K per round) of one prompt under the policy (the first round left out)."""
+    clock = _Clock()
+    saved, lookahead_module.time = lookahead_module.time, clock
+    try:
+        policy = LookaheadPolicy(k_max, adaptive=True, acceptance_prior=0.75, concurrent=True, memory=memory,
+                                 setting=("replay",), draft_key=1, serial=serial)
+        verify, verify_all = profile["verify"], profile["verify_all"]
+        t_token, t_token_all = profile["draft_token"] / 1e3, profile["draft_token_all"] / 1e3
+        timings = DraftTimings()
+        pos, spec_len, n = 0, k_max, len(agree)
+        decode_tokens, decode_seconds, first = 0, 0.0, True
+        while pos < n:
+            k = policy.choose(min(spec_len, max(n - pos - 1, 0)))
+            depth = policy.depth(k)
+            accepted = min(agree[pos], k)
+            tokens = torch.tensor([1 if j < agree[pos] else 2 for j in range(spec_len)], dtype=torch.long)
+            scores = torch.zeros(1, k + 1, 3)
+            scores[0, k, 1] = 1.0  # the target's token at position k: 1, so the draft's s_{k+1} matches iff L > k
+            row = SimpleNamespace(speculation=SimpleNamespace(tokens=tokens, probs=None))
+            policy.observe_verification([row], SimpleNamespace(verified=k, accepted=[accepted], scores=scores))
+            idle = depth == 0
+            forward = (verify_all[k] if idle else verify[k] * (profile["contention"] if k == 0 else 1.0)) / 1e3
+            drafted = depth * t_token if depth else 0.0
+            wall = max(forward, drafted) + profile["overhead"] / 1e3
+            miss = 0.0
+            if depth:  # a miss next round: the backup drafts the speculation just in time
+                miss = (1 - hit_rate) * depth * t_token
+                timings = DraftTimings(timings.prepare_calls + 1, timings.prepare_seconds + drafted,
+                                       timings.backup_calls + 1, timings.backup_seconds + depth * t_token,
+                                       timings.serial_calls, timings.serial_seconds, timings.serial_tokens)
+            serial_s = policy.serial * t_token_all
+            if policy.serial:
+                timings = DraftTimings(timings.prepare_calls, timings.prepare_seconds, timings.backup_calls,
+                                       timings.backup_seconds, timings.serial_calls + 1,
+                                       timings.serial_seconds + serial_s, timings.serial_tokens + policy.serial)
+            wall += miss + serial_s
+            clock.now += wall
+            policy.observe_round(forward, timings, hits=hit_rate if depth else 0, lookups=1 if depth else 0)
+            pos += accepted + 1
+            if first:
+                first = False
+            else:
+                decode_tokens += accepted + 1
+                decode_seconds += wall
+            spec_len = depth or policy.serial
+        policy.metrics()
+        return decode_tokens, decode_seconds, [e["k"] for e in policy.trace]
+    finally:
+        lookahead_module.time = saved
+
+
+def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
+    pos, tokens, seconds, first = 0, 0, 0.0, True
+    while pos < len(agree):
+        kk = min(k, len(agree) - pos - 1)
+        accepted = min(agree[pos], kk)
+        wall = (kk * profile["draft_token_all"] + profile["verify_all"][kk] + profile["overhead"]) / 1e3
+        pos += accepted + 1
+        if not first:
+            tokens, seconds = tokens + accepted + 1, seconds + wall
+        first = False
+    return tokens, seconds
+
+
+def replay(args) -> int:
+    runs = json.loads(Path(args.runs).read_text())["runs"]
+    for assignment in args.set:  # a variant of the policy: one of its module's constants changed
+        name, value = assignment.split("=", 1)
+        if not hasattr(lookahead_module, name):
+            raise SystemExit(f"--set {assignment}: hf_ssd.generation.lookahead has no {name}")
+        setattr(lookahead_module, name, type(getattr(lookahead_module, name))(value))
+    profile = PROFILES[args.profile]
+    memory = lookahead_module.LookaheadMemory() if args.memory else None
+    by_set: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        agree = run["agree"][: args.max_new_tokens]
+        plain = profile["verify_all"][0] / 1e3 + profile["overhead"] / 1e3
+        rows = by_set.setdefault(run["dataset"], {})
+        n = max(len(agree) - 1, 0)
+        rows.setdefault("ar", [0.0, 0.0])
+        rows["ar"][0] += n
+        rows["ar"][1] += n * plain
+        for k in args.sd:
+            t, s = replay_sd(agree, profile, k)
+            rows.setdefault(f"sd-k{k}", [0.0, 0.0])
+            rows[f"sd-k{k}"][0] += t
+            rows[f"sd-k{k}"][1] += s
+        t, s, ks = replay_ssd(agree, profile, args.lookahead, args.hit_rate, not args.no_serial, memory)
+        rows.setdefault("ssd", [0.0, 0.0])
+        rows["ssd"][0] += t
+        rows["ssd"][1] += s
+        if args.verbose:
+            print(run["dataset"], run["index"], f"{(t / s if s else 0) / (1 / plain):.2f}x", ks)
+    methods = ["ar", *[f"sd-k{k}" for k in args.sd], "ssd"]
+    print("| set | " + " | ".join(f"{m}/AR" for m in methods[1:]) + " |")
+    print("|---|" + "---|" * (len(methods) - 1))
+    pooled = {m: [0.0, 0.0] for m in methods}
+    for name, rows in by_set.items():
+        ar = rows["ar"][0] / rows["ar"][1]
+        cells = []
+        for m in methods[1:]:
+            cells.append(f"{rows[m][0] / rows[m][1] / ar:.2f}")
+        for m in methods:
+            pooled[m][0] += rows[m][0]
+            pooled[m][1] += rows[m][1]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    ar = pooled["ar"][0] / pooled["ar"][1]
+    print("| **all** | " + " | ".join(f"{pooled[m][0] / pooled[m][1] / ar:.2f}" for m in methods[1:]) + " |")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="generate greedy outputs and the draft's agreement runs")
+    rec.add_argument("--prompts", default="humaneval,gsm8k,mt_bench,alpaca")
+    rec.add_argument("--prompts-dir")
+    rec.add_argument("--limit", type=int, default=8)
+    rec.add_argument("--skip", type=int, default=2, help="leave out the first prompts (the bench's own)")
+    rec.add_argument("--max-new-tokens", type=int, default=64)
+    rec.add_argument("--target", default="qwen2.5-coder-1.5b")
+    rec.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    rec.add_argument("--draft-precision", default="int8", choices=["fp32", "int8"])
+    rec.add_argument("--threads", type=int, default=2)
+    rec.add_argument("--out", required=True)
+    rep = sub.add_parser("replay", help="drive the policy over recorded runs against a cost profile")
+    rep.add_argument("runs")
+    rep.add_argument("--profile", default="epyc", choices=sorted(PROFILES))
+    rep.add_argument("--lookahead", "-K", type=int, default=4)
+    rep.add_argument("--sd", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    rep.add_argument("--hit-rate", type=float, default=0.85)
+    rep.add_argument("--max-new-tokens", type=int, default=64)
+    rep.add_argument("--no-serial", action="store_true", help="no serial rounds (the draft on its own cores)")
+    rep.add_argument("--memory", action="store_true", help="one LookaheadMemory across prompts (as a bench run)")
+    rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                     help="override a constant of hf_ssd.generation.lookahead (e.g. PROBE_EVERY=16)")
+    rep.add_argument("--verbose", "-v", action="store_true")
+    args = parser.parse_args(argv)
+    return record(args) if args.command == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

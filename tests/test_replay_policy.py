@@ -1,0 +1,38 @@
+"""benchmarks/replay_policy.py: the agreement runs and the policy driven offline (no model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_ssd.generation import lookahead as lookahead_module
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_policy.py"
+_SPEC = importlib.util.spec_from_file_location("replay_policy", _PATH)
+replay_policy = sys.modules["replay_policy"] = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(replay_policy)
+
+
+def test_agreement_runs_count_consecutive_matches():
+    assert replay_policy.agreement_runs([True, True, False, True, False, False]) == [2, 1, 0, 1, 0, 0]
+    assert replay_policy.agreement_runs([True] * 20, cap=16)[:5] == [16, 16, 16, 16, 16]
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_replay_emits_every_token_and_restores_the_clock(serial):
+    profile = replay_policy.PROFILES["epyc"]
+    predictable = replay_policy.agreement_runs([True] * 63 + [False])
+    tokens, seconds, ks = replay_policy.replay_ssd(predictable, profile, 4, hit_rate=1.0, serial=serial)
+    assert lookahead_module.time.perf_counter is not None and not isinstance(lookahead_module.time,
+                                                                             replay_policy._Clock)
+    assert ks[0] == 4 and ks[-3] == 4 and tokens == 64 - 5  # the first round (5 tokens) is left out
+    plain = (profile["verify_all"][0] + profile["overhead"]) / 1e3
+    assert tokens / seconds > 1.5 / plain  # deep speculation pays on a predictable text
+    useless = [0] * 64
+    tokens, seconds, ks = replay_policy.replay_ssd(useless, profile, 4, hit_rate=1.0, serial=serial)
+    assert tokens == 63 and ks[-20:] == [0] * 20 and tokens / seconds > 0.9 / plain  # plain steps
+    sd_tokens, sd_seconds = replay_policy.replay_sd(predictable, profile, 4)
+    assert sd_tokens == 64 - 5 and sd_seconds > 0
