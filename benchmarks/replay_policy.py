@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,14 +132,15 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
             miss = 0.0
             if depth:  # a miss next round: the backup drafts the speculation just in time
                 miss = (1 - hit_rate) * depth * t_token
-                timings = DraftTimings(timings.prepare_calls + 1, timings.prepare_seconds + drafted,
-                                       timings.backup_calls + 1, timings.backup_seconds + depth * t_token,
-                                       timings.serial_calls, timings.serial_seconds, timings.serial_tokens)
+                timings = replace(timings, prepare_calls=timings.prepare_calls + 1,
+                                  prepare_seconds=timings.prepare_seconds + drafted,
+                                  backup_calls=timings.backup_calls + 1,
+                                  backup_seconds=timings.backup_seconds + depth * t_token)
             serial_s = policy.serial * t_token_all
             if policy.serial:
-                timings = DraftTimings(timings.prepare_calls, timings.prepare_seconds, timings.backup_calls,
-                                       timings.backup_seconds, timings.serial_calls + 1,
-                                       timings.serial_seconds + serial_s, timings.serial_tokens + policy.serial)
+                timings = replace(timings, serial_calls=timings.serial_calls + 1,
+                                  serial_seconds=timings.serial_seconds + serial_s,
+                                  serial_tokens=timings.serial_tokens + policy.serial)
             wall += miss + serial_s
             clock.now += wall
             policy.observe_round(forward, timings, hits=hit_rate if depth else 0, lookups=1 if depth else 0)
@@ -183,19 +184,18 @@ def replay(args) -> int:
         agree = run["agree"][: args.max_new_tokens]
         plain = profile["verify_all"][0] / 1e3 + profile["overhead"] / 1e3
         rows = by_set.setdefault(run["dataset"], {})
+
+        def add(method: str, tokens: float, seconds: float, rows=rows) -> None:
+            total = rows.setdefault(method, [0.0, 0.0])
+            total[0] += tokens
+            total[1] += seconds
+
         n = max(len(agree) - 1, 0)
-        rows.setdefault("ar", [0.0, 0.0])
-        rows["ar"][0] += n
-        rows["ar"][1] += n * plain
+        add("ar", n, n * plain)
         for k in args.sd:
-            t, s = replay_sd(agree, profile, k)
-            rows.setdefault(f"sd-k{k}", [0.0, 0.0])
-            rows[f"sd-k{k}"][0] += t
-            rows[f"sd-k{k}"][1] += s
+            add(f"sd-k{k}", *replay_sd(agree, profile, k))
         t, s, ks = replay_ssd(agree, profile, args.lookahead, args.hit_rate, not args.no_serial, memory)
-        rows.setdefault("ssd", [0.0, 0.0])
-        rows["ssd"][0] += t
-        rows["ssd"][1] += s
+        add("ssd", t, s)
         if args.verbose:
             print(run["dataset"], run["index"], f"{(t / s if s else 0) / (1 / plain):.2f}x", ks)
     methods = ["ar", *[f"sd-k{k}" for k in args.sd], "ssd"]
