@@ -35,8 +35,10 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", default="auto", choices=["auto", "process", "thread", "sync"])
     parser.add_argument("--draft-precision", default="int8", choices=["fp32", "int8"],
                         help="CPU precision of the draft; int8 keeps the output exact (default: int8)")
-    parser.add_argument("--target-precision", default="fp32", choices=["fp32", "int8"],
-                        help="CPU precision of the target; int8 is faster but not batch-invariant (default: fp32)")
+    parser.add_argument("--target-precision", default="auto", choices=["auto", "fp32", "fp32-packed", "int8"],
+                        help="CPU precision of the target: fp32-packed is fp32 through oneDNN's packed kernels "
+                        "(verifying K+1 tokens costs about one); int8 is faster but not batch-invariant; auto: "
+                        "fp32-packed where it measures faster on this machine, else fp32 (default: auto)")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="decode this many prompts together (the prompt plus built-in coding prompts), "
                         "left-padded: plain batched decoding against SSD on the batch (default 1)")
@@ -160,9 +162,11 @@ def demo(args) -> int:
     import torch
 
     from . import SSDConfig, enable_ssd
-    from .precision import apply_precision, count_parameters
+    from .precision import apply_precision, count_parameters, resolve_precision
 
     target, draft, tokenizer = _load_pair(args)
+    args.target_precision = resolve_precision(target, args.target_precision,
+                                              (args.lookahead or SSDConfig().lookahead) + 1)
     if draft is target and args.draft_precision != args.target_precision:
         draft = copy.deepcopy(target)
     target = enable_ssd(apply_precision(target, args.target_precision))

@@ -1,4 +1,6 @@
-"""CPU precision options: fp32, or int8 weights with dynamic int8 activations (fbgemm) for every Linear layer.
+"""CPU precision options: fp32; fp32 with oneDNN-packed Linear layers (`packing.py`: the same model, a kernel whose
+cost stays near flat from 1 to 9 rows); or int8 weights with dynamic int8 activations (fbgemm) for every Linear
+layer.
 
 On AVX2 CPUs a forward over K+1 tokens costs about 3× one token in fp32 but about 1.5× in int8, and the int8
 forward is several times faster overall (README, "Real models offline, CPU precision").
@@ -17,15 +19,32 @@ import warnings
 
 import torch
 
-PRECISIONS = ("fp32", "int8")
+from .packing import PackedLinear, pack_linear_layers, should_pack
+
+PRECISIONS = ("fp32", "fp32-packed", "int8")
+TARGET_PRECISIONS = ("auto", *PRECISIONS)  # "auto": fp32-packed where it measures faster here, else fp32
+
+
+def resolve_precision(model: torch.nn.Module, precision: str, rows: int) -> str:
+    """`precision`, with "auto" decided on this machine: "fp32-packed" when the packed kernel measures faster on
+    `model`'s largest layer for a verification's `rows` (K+1) and no slower for one row (`packing.should_pack`),
+    else "fp32"."""
+    if precision not in TARGET_PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid: expected one of {TARGET_PRECISIONS}.")
+    if precision != "auto":
+        return precision
+    return "fp32-packed" if should_pack(model, rows) else "fp32"
 
 
 def apply_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
-    """Return `model` in `precision` ("fp32": unchanged; "int8": dynamic int8 Linear layers, CPU only)."""
+    """Return `model` in `precision` ("fp32": unchanged; "fp32-packed": its Linear layers packed for oneDNN, in
+    place, CPU only; "int8": dynamic int8 Linear layers, CPU only)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid: expected one of {PRECISIONS}.")
     if precision == "fp32":
         return model
+    if precision == "fp32-packed":
+        return pack_linear_layers(model)
     if model.device.type != "cpu":
         raise ValueError(f"precision='int8' (dynamic quantization) runs on CPU only; the model is on {model.device}.")
     with warnings.catch_warnings():
@@ -48,4 +67,6 @@ def count_parameters(model: torch.nn.Module) -> int:
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
             weight, bias = module._weight_bias()
             total += weight.numel() + (bias.numel() if bias is not None else 0)
+        elif isinstance(module, PackedLinear):  # its bias is a parameter, its weight is not
+            total += module.in_features * module.out_features
     return total

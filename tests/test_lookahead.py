@@ -26,7 +26,7 @@ from test_sampling_law import (
 from hf_ssd import SSDConfig, enable_ssd
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation.candidate_generator import DraftTimings
-from hf_ssd.generation.lookahead import LookaheadPolicy, expected_tokens
+from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, LookaheadPolicy, expected_tokens
 
 # --- the policy, on synthetic rounds ---------------------------------------------------------------------------
 
@@ -128,7 +128,7 @@ def test_cost_curve_from_what_was_measured(clock):
     above; a plain step (K = 0), whose cost on a CPU is of another kind (one position: a matrix-vector product), is
     scaled by the prior shape until it is measured itself. Measured values are kept as measured, a non-monotone
     curve included."""
-    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE)
     _measured(policy, {3: 0.030})
     assert policy.verify_seconds(0) == pytest.approx(0.030 / (2.0 + 0.1 * 2))
     assert policy.verify_seconds(1) == pytest.approx(0.030 * 2 / 4)  # below: in proportion to positions
@@ -140,7 +140,7 @@ def test_cost_curve_from_what_was_measured(clock):
     assert policy.verify_seconds(0) == pytest.approx(0.026 / 2.0)
     _measured(policy, {0: 0.012})
     assert policy.verify_seconds(0) == pytest.approx(0.012) and policy.verify_seconds(3) == pytest.approx(0.030)
-    gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cuda")
+    gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE)
     _measured(gpu, {4: 0.030})
     assert gpu.verify_seconds(0) == pytest.approx(0.030 / (1.02 + 0.02 * 3))
     _measured(gpu, {2: 0.050})  # a non-monotone curve (3 positions slower than 5, as oneDNN does): kept as measured
@@ -153,7 +153,7 @@ def test_a_cheap_step_of_the_cost_curve_is_found(clock):
     K_max timed, the smaller K are tried and the cheap K = 2 is kept; on a curve where every K >= 1 costs twice a
     plain step (a 2-core AMD EPYC), the smaller K are tried once and dropped again."""
     def run(curve):
-        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu")
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE)
         ks = []
         for _ in range(30):
             k = policy.choose(4)
@@ -201,17 +201,17 @@ def test_serial_rounds_where_the_target_scales_with_cores(clock):
     for 3 positions on one, 270 ms on both) and the draft does not (53-58 ms a token): drafting after each
     verification on every core (SD's schedule) beats drafting beside it, and is found within a few rounds; where
     the target does not scale (a 2-core EPYC, memory bound), concurrent rounds stay."""
-    xeon = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu", serial=True)
+    xeon = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE, serial=True)
     rounds = _drive_modes(xeon, 30, concurrent_ms=lambda k: 441.0 if k <= 2 else 850.0,
                           serial_ms=lambda k: 270.0 if k <= 2 else 480.0, plain_ms=245.0, draft_ms=270.0,
                           jit_ms=55.0, clock=clock)
     assert rounds[-10:] == [(2, "serial")] * 10 and any(mode == "concurrent" for _, mode in rounds[:5])
-    epyc = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu", serial=True)
+    epyc = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE, serial=True)
     rounds = _drive_modes(epyc, 30, concurrent_ms=lambda k: 900.0 + 40 * k, serial_ms=lambda k: 890.0 + 40 * k,
                           plain_ms=445.0, draft_ms=400.0, jit_ms=70.0, clock=clock, acceptance=0.85)
     assert all(mode == "concurrent" for _, mode in rounds[-10:]) and rounds[-1][0] >= 3
     assert sum(mode == "serial" for _, mode in rounds) <= 4  # tried, then dropped
-    off = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, device_type="cpu", serial=False)
+    off = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE, serial=False)
     rounds = _drive_modes(off, 12, concurrent_ms=lambda k: 441.0, serial_ms=lambda k: 270.0, plain_ms=245.0,
                           draft_ms=270.0, jit_ms=55.0, clock=clock)
     assert all(mode != "serial" for _, mode in rounds)  # a draft on its own device: never serial
@@ -220,7 +220,7 @@ def test_serial_rounds_where_the_target_scales_with_cores(clock):
 def test_a_plain_step_is_tried_when_it_might_win(clock):
     """Measured verifications of several positions cost about the same (a CPU's matrix products), acceptance is
     low: the plain step's optimistic prior makes it worth one try, after which its measured cost decides."""
-    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.3, concurrent=True, device_type="cpu")
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.3, concurrent=True, cost_shape=CPU_SHAPE)
     _measured(policy, {1: 0.90, 3: 0.93, 4: 0.95})
     policy._rounds = 3
     policy.acceptance.reached = [10.0] * 5
@@ -232,17 +232,17 @@ def test_after_a_rejected_first_round_the_prior_shape_decides(clock):
     """The first round's verification holds the prefill, so nothing is timed before the second: its K comes from
     the acceptance seen and the prior cost shape. A useless draft on a CPU (several positions cost about twice
     one) is dropped at once; on a GPU (flat curve) speculating stays cheap enough to keep trying."""
-    cpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    cpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE)
     assert _drive(cpu, 2, accept_all=False, clock=clock) == [4, 0]
     assert cpu.trace[1]["why"] == "prior shape"
-    gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cuda")
+    gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE)
     assert _drive(gpu, 2, accept_all=False, clock=clock)[1] > 0
 
 
 def test_an_explored_plain_step_pauses_the_draft_so_it_is_timed_once(clock):
     """Speculation was measured, then stops paying: the plain step (unmeasured, its prior optimistic) is tried
     with the draft paused for that round, so one try times it cleanly and it is not explored again."""
-    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE)
     cost = dict(verify_ms=lambda k: 10.0 if k == 0 else 24.0, clock=clock, contention_ms=3.0)
     _drive(policy, 4, accept_all=True, **cost)
     assert 0 not in policy.verify
@@ -258,7 +258,7 @@ def test_accepted_probes_lead_to_trials_that_back_off(clock):
     one every other round for good, as a chain reset by the rounds in between once did); a chain of them asks for
     a trial round verifying a whole speculation. While plain steps still win (here speculation costs 20x a plain
     step), probes and trials become rarer: in the long run the draft works in few rounds."""
-    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE)
     policy.jump = 20.0  # a prior that lets the plain step be tried
     ks = _drive(policy, 200, accept_all=True, verify_ms=lambda k: 10.0 if k == 0 else 200.0, clock=clock)
     trials = [i for i, entry in enumerate(policy.trace) if entry["why"] == "trial"]
@@ -273,7 +273,7 @@ def test_accepted_probes_lead_to_trials_that_back_off(clock):
 def test_a_plain_step_is_timed_only_while_the_draft_is_paused(clock):
     """Plain steps while the draft still works (one token deep, slowed by its memory traffic) are not what
     choosing plain decoding costs for long: only paused steps time K = 0, so a useless draft ends paused."""
-    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.7, concurrent=True, device_type="cpu")
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE)
     ks = _drive(policy, 40, accept_all=False, verify_ms=lambda k: 10.0 if k == 0 else 21.0, clock=clock,
                 contention_ms=6.0)
     assert policy.verify[0].value == pytest.approx(0.010)  # never the 16 ms of a step beside the draft
@@ -285,7 +285,7 @@ def test_a_plain_step_is_timed_only_while_the_draft_is_paused(clock):
 def test_speculation_must_beat_plain_steps_by_a_margin(clock):
     """Near a tie plain decoding wins: the estimates are noisy and a wrong switch costs a round at twice a plain
     step's price."""
-    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.5, concurrent=True, device_type="cpu")
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.5, concurrent=True, cost_shape=CPU_SHAPE)
     _measured(policy, {0: 0.010, 1: 0.02, 2: 0.02, 3: 0.02})
     policy._rounds = 3
     policy.acceptance.reached = [100.0] * 4
@@ -301,7 +301,7 @@ def test_speculation_must_beat_plain_steps_by_a_margin(clock):
 def test_returning_from_plain_steps_asks_for_a_larger_gain(clock):
     """Hysteresis: a gain of ~1.1x keeps a speculating policy speculating but does not draw it back from plain
     steps (where its estimates of the deeper positions rest on first-position probes only)."""
-    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.5, concurrent=True, device_type="cpu")
+    policy = LookaheadPolicy(3, adaptive=True, acceptance_prior=0.5, concurrent=True, cost_shape=CPU_SHAPE)
     _measured(policy, {0: 0.010, 1: 0.02, 2: 0.02, 3: 0.02})
     policy._rounds = 3
     policy.acceptance.reached = [100.0] * 4

@@ -23,7 +23,7 @@ from ..runtime import DraftRequest, choose_executor, open_executor, split_thread
 from .backup import AutoBackup
 from .candidate_generator import sampling_warpers
 from .checks import check_processors, check_supported, model_vocab_size
-from .lookahead import LookaheadMemory, LookaheadPolicy
+from .lookahead import LookaheadMemory, LookaheadPolicy, prior_cost_shape
 from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, steps
 from .rows import Batch
 from .target_rows import TargetBatch, kv_bytes
@@ -58,7 +58,7 @@ def ssd_decoding(
     # serial rounds (the draft sits a verification out, then drafts on every core) only pay where the two share cores
     shared_cores = input_ids.device.type == "cpu" and assistant_model.device.type == "cpu"
     policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,
-                             concurrent=kind != "sync", device_type=input_ids.device.type,
+                             concurrent=kind != "sync", cost_shape=prior_cost_shape(model),
                              memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
                              draft_key=id(assistant_model), serial=shared_cores)
     phase = recorder.phases

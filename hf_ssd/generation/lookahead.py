@@ -36,6 +36,8 @@ import weakref
 
 import torch
 
+from ..packing import PackedLinear
+
 DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
 EXPLORE_WITHIN = 0.9
@@ -48,6 +50,10 @@ PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: 
 # from plain steps asks more (hysteresis): the estimates then rest on probes of the first position only.
 SPECULATE_MARGIN = 1.05
 RESUME_MARGIN = 1.2
+# Priors of the verification cost curve's shape (jump, slope: see `LookaheadPolicy.shape`), only until measured.
+# Measured on 2-core CPUs with MKL's fp32 kernels (Qwen 1.5B: 2 positions 2.0-2.3x one, each further one +0.05-0.1x);
+# near flat on GPUs and with oneDNN's packed kernels (`packing.py`: 5 positions 0.66-1.0x one on a 2-core EPYC).
+CPU_SHAPE, FLAT_SHAPE = (2.0, 0.1), (1.02, 0.02)
 # How the next speculation is made (`LookaheadPolicy._mode`): by the draft during this verification, by the draft
 # after it (the draft sits the verification out and both run on every core in turn), or not at all.
 CONCURRENT, SERIAL, PLAIN = "concurrent", "serial", "plain"
@@ -139,12 +145,20 @@ def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
     return best
 
 
+def prior_cost_shape(model) -> tuple[float, float]:
+    """The prior shape of `model`'s verification cost curve: flat on accelerators and for packed CPU Linear layers,
+    MKL's jump from one position to several otherwise."""
+    if model.device.type != "cpu" or any(isinstance(m, PackedLinear) for m in model.modules()):
+        return FLAT_SHAPE
+    return CPU_SHAPE
+
+
 class LookaheadPolicy:
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
-                 device_type: str = "cpu", memory: LookaheadMemory | None = None, setting: tuple = (),
-                 draft_key: int | None = None, serial: bool = False):
+                 cost_shape: tuple[float, float] = CPU_SHAPE, memory: LookaheadMemory | None = None,
+                 setting: tuple = (), draft_key: int | None = None, serial: bool = False):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
         self.serial_option = serial and concurrent and adaptive  # see `SERIAL` in the module docstring
         self.memory, self.setting, self.draft_key = memory, setting, draft_key
@@ -155,9 +169,7 @@ class LookaheadPolicy:
         self.verify = {}  # K -> _Ema of the target forward seconds (K = 0: a plain step, on every core)
         self.serial_verify = {}  # K >= 1 -> _Ema of a verification on every core while the draft sits it out
         self.serial_token = _Ema(COST_DECAY)  # seconds per token drafted just in time, on every core
-        # priors of the cost curve's shape, only until measured (see `shape`): measured on 2-core CPUs (fp32 Qwen
-        # 1.5B: 2 positions 2.0-2.3x one, each further one +0.05-0.1x), near flat on GPUs
-        self.jump, self.slope = (2.0, 0.1) if device_type == "cpu" else (1.02, 0.02)
+        self.jump, self.slope = cost_shape  # the cost curve's prior shape, only until measured (see `shape`)
         self.draft = _Ema(COST_DECAY)  # seconds of one prepare (glue, fork, tree)
         self.backup = _Ema(COST_DECAY)  # seconds of one just-in-time backup
         self.overhead = _Ema(COST_DECAY)  # round time not explained by the model

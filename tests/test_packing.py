@@ -1,0 +1,69 @@
+"""oneDNN-packed Linear layers: the same model up to rounding, and SSD over a packed target is still exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_pair
+
+from hf_ssd import SSDConfig
+from hf_ssd.packing import PackedLinear, pack_linear_layers, packing_available, packing_speedup, should_pack
+from hf_ssd.precision import apply_precision, count_parameters
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+def test_packed_linear_matches_linear(rows):
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(48, 80, bias=bias)
+        x = torch.randn(2, rows, 48)
+        with torch.no_grad():
+            expected = linear(x)
+            out = PackedLinear(linear)(x)
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"])
+def test_packed_model_logits_and_greedy_output(arch):
+    model = tiny_model(arch, layers=2, seed=3)
+    packed = apply_precision(tiny_model(arch, layers=2, seed=3), "fp32-packed")
+    assert all(type(m) is not torch.nn.Linear for m in packed.modules())
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == sum(
+        type(m) is torch.nn.Linear for m in model.modules())
+    input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(input_ids).logits, model(input_ids).logits, rtol=1e-4, atol=1e-4)
+    expected = model.generate(input_ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(packed.generate(input_ids, max_new_tokens=20, do_sample=False), expected)
+    assert count_parameters(packed) == count_parameters(model)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process", "sync"])
+def test_ssd_over_packed_target_is_exact(executor):
+    target, draft = tiny_pair("qwen2", seed=5)
+    pack_linear_layers(target)
+    input_ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    expected = target.generate(input_ids, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    out = target.generate(input_ids, assistant_model=draft, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                          ssd_config=SSDConfig(lookahead=3, executor=executor))
+    assert torch.equal(out, expected) and target.ssd_metrics.executor == executor
+
+
+def test_packing_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="packs fp32 models on CPU"):
+        pack_linear_layers(tiny_model("llama").to(torch.bfloat16))
+    packed = pack_linear_layers(tiny_model("llama"))
+    layer = next(m for m in packed.modules() if isinstance(m, PackedLinear))
+    with pytest.raises(RuntimeError, match="fp32 on CPU"):
+        layer(torch.randn(1, layer.in_features, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="for inference"):
+        layer(torch.randn(1, layer.in_features, requires_grad=True))
+    assert not should_pack(tiny_model("llama").to(torch.bfloat16), rows=5)
+
+
+def test_packing_speedup_is_measured_on_the_model():
+    ratios = packing_speedup(tiny_model("llama"), rows=5, repeats=3)
+    assert set(ratios) == {1, 5} and all(r > 0 for r in ratios.values())
