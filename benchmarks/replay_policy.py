@@ -44,6 +44,12 @@ PROFILES = {
     "epyc-slow": dict(verify=[650, 1310, 1970, 1970, 2000, 2050, 2330, 2250, 2380],
                       verify_all=[650, 1340, 1340, 1340, 1340, 2060, 2060, 2060, 2300],
                       draft_token=170.0, draft_token_all=110.0, contention=1.19, overhead=5.0),
+    # the 2-core AMD EPYC (AVX-512) with the target packed for oneDNN (`--target-precision fp32-packed`), from the
+    # 2026-12-02 bench traces (docs/figures/bench_packed_k4.md) and direct forwards at 200 tokens of context: the
+    # curve is flat, the target scales with cores, the draft's tree round on one core is the slower side
+    "epyc-packed": dict(verify=[470, 600, 430, 490, 400, 420, 440, 460, 480],
+                        verify_all=[345, 400, 350, 340, 300, 320, 340, 360, 400],
+                        draft_token=110.0, draft_token_all=55.0, contention=1.19, overhead=3.0, flat=True),
     # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
     "xeon": dict(verify=[417, 430, 441, 441, 830, 860, 1100, 1170, 1200],
                  verify_all=[245, 260, 270, 270, 500, 520, 660, 700, 720],
@@ -109,8 +115,9 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
     clock = _Clock()
     saved, lookahead_module.time = lookahead_module.time, clock
     try:
+        shape = lookahead_module.FLAT_SHAPE if profile.get("flat") else lookahead_module.CPU_SHAPE
         policy = LookaheadPolicy(k_max, adaptive=True, acceptance_prior=0.75, concurrent=True, memory=memory,
-                                 setting=("replay",), draft_key=1, serial=serial)
+                                 setting=("replay",), draft_key=1, serial=serial, cost_shape=shape)
         verify, verify_all = profile["verify"], profile["verify_all"]
         t_token, t_token_all = profile["draft_token"] / 1e3, profile["draft_token_all"] / 1e3
         timings = DraftTimings()

@@ -23,6 +23,7 @@ _EXPORTS = {
     "SaguaroCandidateGenerator": ".generation",
     "enable_ssd": ".generation",
     "Placement": ".runtime.placement",
+    "pack_linear_layers": ".packing",
     "place_models": ".runtime.placement",
     "plan_placement": ".runtime.placement",
 }
@@ -36,6 +37,7 @@ __all__ = [
     "SSDMetrics",
     "SaguaroCandidateGenerator",
     "enable_ssd",
+    "pack_linear_layers",
     "place_models",
     "plan_placement",
     "__version__",
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from .config import SSDConfig
     from .generation import SaguaroCandidateGenerator, SSDGenerateDecoderOnlyOutput, SSDGenerationMixin, enable_ssd
     from .metrics import SSDMetrics
+    from .packing import pack_linear_layers
     from .runtime import DraftWorkerError
     from .runtime.placement import Placement, place_models, plan_placement
 

@@ -73,7 +73,31 @@ def _check_packable(model: nn.Module) -> None:
 
 
 def pack_linear_layers(model: nn.Module) -> nn.Module:
-    """Replace every `nn.Linear` of `model` (fp32, CPU) with a `PackedLinear`, in place; returns `model`."""
+    """Run `model`'s Linear layers through oneDNN's packed fp32 kernels, so a verification of K+1 positions costs
+    about what one position does on CPUs where MKL's small matrix products are slow.
+
+    Every `nn.Linear` is replaced in place by a `PackedLinear` (its weight reordered once, the unpacked copy
+    freed). The model stays fp32 and gives the same logits up to rounding; pack it before comparing anything, so
+    plain decoding and SSD run the same kernels. Afterwards it is for inference on the CPU only: it cannot be
+    moved, cast, trained or saved (reload it for that).
+
+    Args:
+        model: an fp32 model on the CPU.
+
+    Returns:
+        `model` itself, in eval mode.
+
+    Raises:
+        ValueError: if this torch build lacks oneDNN, or the model is not fp32 on the CPU.
+
+    Example:
+        ```python
+        from hf_ssd import enable_ssd, pack_linear_layers
+
+        target = enable_ssd(pack_linear_layers(target))
+        out = target.generate(**inputs, assistant_model=draft, ssd_config=SSDConfig())
+        ```
+    """
     _check_packable(model)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

@@ -67,3 +67,10 @@ def test_packing_refuses_what_it_cannot_run():
 def test_packing_speedup_is_measured_on_the_model():
     ratios = packing_speedup(tiny_model("llama"), rows=5, repeats=3)
     assert set(ratios) == {1, 5} and all(r > 0 for r in ratios.values())
+
+
+def test_a_packed_target_starts_from_a_flat_cost_prior():
+    from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, prior_cost_shape
+
+    assert prior_cost_shape(tiny_model("llama")) == CPU_SHAPE
+    assert prior_cost_shape(pack_linear_layers(tiny_model("llama"))) == FLAT_SHAPE

@@ -319,3 +319,23 @@ def test_an_unknown_serving_layout_fails_clearly(monkeypatch):
     monkeypatch.setattr(compat.importlib.util, "find_spec", lambda name: None if name == "fastapi" else object())
     with pytest.raises(compat.ServingUnavailable, match=r"needs fastapi: pip install 'hf-ssd\[serving\]'"):
         compat.require_serving()
+
+
+def test_the_served_target_can_run_packed(folders, plain):
+    from hf_ssd.packing import PackedLinear, packing_available
+    from hf_ssd.serving.model_manager import SSDModelManager
+
+    with pytest.raises(ValueError, match="target_precision='int8' is invalid"):
+        SSDModelManager(folders[0], folders[1], target_precision="int8", device="cpu")
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN")
+    manager = SSDModelManager(folders[0], folders[1], target_precision="fp32-packed", device="cpu")
+    target = manager.target
+    assert any(isinstance(m, PackedLinear) for m in target.modules())
+    assert manager.target is target  # packed once, in place: the cached model
+    tokenizer = word_tokenizer()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt(7)}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    out = target.generate(ids, assistant_model=manager.draft, max_new_tokens=MAX_TOKENS, do_sample=False,
+                          ssd_config=SERVER_CONFIG)
+    assert tokenizer.decode(out[0, ids.shape[1]:]) == plain(prompt(7))

@@ -46,8 +46,11 @@ PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) ev
 PROBE_MAX = 32  # then, each time probing ends without speculation paying, twice as rarely (up to this)
 PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: the draft works beside it)
 # Speculation must promise this much more than plain steps before it is chosen over them: the estimates are noisy
-# and a wrong switch costs a round at about twice a plain step's price, so near a tie plain decoding wins. Returning
-# from plain steps asks more (hysteresis): the estimates then rest on probes of the first position only.
+# and a wrong switch costs a speculative round instead of a plain step, so near a tie plain decoding wins. Returning
+# from plain steps asks more (hysteresis): the estimates then rest on probes of the first position only. Both are
+# the margins where a speculative round costs twice a plain step (MKL's fp32 curve on CPUs); they shrink in
+# proportion to what a wrong switch costs (`_margin`): with a flat curve (packed CPU kernels, GPUs) a speculative
+# round costs little more than a plain step, and waiting for certainty costs more than it saves.
 SPECULATE_MARGIN = 1.05
 RESUME_MARGIN = 1.2
 # Priors of the verification cost curve's shape (jump, slope: see `LookaheadPolicy.shape`), only until measured.
@@ -135,6 +138,19 @@ class LookaheadMemory:
     def record(self, setting: tuple, k: int, seconds: float) -> None:
         times = self.verify.setdefault(setting, {})
         times[k] = seconds if k not in times else COST_DECAY * times[k] + (1 - COST_DECAY) * seconds
+
+
+def _margin(base: float, acceptance: list[float], speeds: dict[int, float], *more: dict[int, float]) -> float:
+    """`base` scaled by the price of a wrong switch: the fastest speculative round's time over a plain step's, minus
+    one (capped at 1: the steep curve the base margins were set for)."""
+    if 0 not in speeds:
+        return base
+    options = [(k, v) for table in (speeds, *more) for k, v in table.items() if k > 0 and v > 0]
+    if not options:
+        return base
+    k, v = max(options, key=lambda kv: kv[1])
+    extra = expected_tokens(acceptance, k) / v * speeds[0] - 1.0  # R(k) / R(0) - 1
+    return 1.0 + (base - 1.0) * min(max(extra, 0.0), 1.0)
 
 
 def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
@@ -397,7 +413,8 @@ class LookaheadPolicy:
             seconds = self.serial_round_seconds(k, table, serial_table)
             if seconds is not None and seconds > 0:
                 serial_speeds[k] = expected_tokens(acceptance, k) / seconds
-        margin = RESUME_MARGIN if self.trace and self.trace[-1]["k"] == 0 else SPECULATE_MARGIN
+        margin = _margin(RESUME_MARGIN if self.trace and self.trace[-1]["k"] == 0 else SPECULATE_MARGIN,
+                         acceptance, speeds, serial_speeds)
         self._wanted = _best(speeds, margin)
         self._mode = CONCURRENT if self._wanted else PLAIN
         best_serial = max(serial_speeds, key=serial_speeds.get) if serial_speeds else None

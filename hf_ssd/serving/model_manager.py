@@ -15,7 +15,10 @@ from transformers.cli.serving.utils import split_model_id
 from ..generation import enable_ssd
 from ..generation.checks import check_vocabulary, model_vocab_size
 from ..models import resolve_model
-from ..precision import apply_precision
+from ..packing import PackedLinear, pack_linear_layers
+from ..precision import apply_precision, resolve_precision
+
+SERVED_TARGET_PRECISIONS = ("auto", "fp32", "fp32-packed")  # in place (int8 would replace the cached model)
 
 
 def tokenizer_of(processor):
@@ -31,12 +34,20 @@ class SSDModelManager(ModelManager):
             `qwen2.5-coder-1.5b` (`hf-ssd models list`). Clients name it as given here.
         draft: the draft model, same forms; None serves the target alone (plain decoding, for baselines).
         draft_precision: `"fp32"` or `"int8"` (CPU only; the draft's numerics never change SSD's output).
+        target_precision: `"fp32"`, `"fp32-packed"` (oneDNN's packed Linear kernels, in place, CPU fp32 only) or
+            `"auto"` (packed where it measures faster here); applied with or without a draft, so a `--no-ssd`
+            baseline runs the same target.
         **kwargs: `ModelManager`'s other options (`device`, `dtype`, `trust_remote_code`, ...).
     """
 
-    def __init__(self, target: str, draft: str | None = None, draft_precision: str = "fp32", **kwargs):
+    def __init__(self, target: str, draft: str | None = None, draft_precision: str = "fp32",
+                 target_precision: str = "fp32", **kwargs):
+        if target_precision not in SERVED_TARGET_PRECISIONS:
+            raise ValueError(f"target_precision={target_precision!r} is invalid: expected one of "
+                             f"{SERVED_TARGET_PRECISIONS}.")
         self.draft_name = draft
         self.draft_precision = draft_precision
+        self.target_precision = target_precision
         self.draft = None
         self._draft_lock = threading.Lock()
         kwargs.pop("force_model", None)
@@ -58,6 +69,10 @@ class SSDModelManager(ModelManager):
     # ---- loading -------------------------------------------------------------------------------------------------
     def load_model_and_processor(self, model_id_and_revision: str, *args, **kwargs):
         model, processor = super().load_model_and_processor(model_id_and_revision, *args, **kwargs)
+        if self.target_precision != "fp32" and not any(isinstance(m, PackedLinear) for m in model.modules()):
+            lookahead = 4  # verifications of K + 1 = 5 positions: SSDConfig's K at most
+            if resolve_precision(model, self.target_precision, lookahead + 1) == "fp32-packed":
+                pack_linear_layers(model)  # in place: the cached model is the packed one
         if self.draft_name is not None:
             enable_ssd(model)  # idempotent; again after a `/reset` reloaded the target
             self._ensure_draft(model, processor)

@@ -39,6 +39,7 @@ class SSDServer:
         host, port: where to listen; port 0 picks a free one (see `port` once started).
         device, dtype: as `transformers serve`'s (`"auto"`, `"cpu"`, `"cuda:0"`; `"auto"`, `"float32"`, ...).
         draft_precision: `"fp32"` or `"int8"` (dynamic int8, CPU only; never changes the output).
+        target_precision: `"fp32"`, `"fp32-packed"` or `"auto"` (see `SSDModelManager`).
         start_draft_worker: start the draft's worker process before serving when the executor would use one
             (`"auto"` or `"process"`, a CPU draft), so no request pays its start-up.
         enable_cors, log_level: as `transformers serve`'s.
@@ -46,7 +47,8 @@ class SSDServer:
 
     def __init__(self, target: str, draft: str | None, ssd_config: SSDConfig | None = None, *,
                  host: str = "localhost", port: int = 8000, device: str = "auto", dtype: str = "auto",
-                 draft_precision: str = "fp32", start_draft_worker: bool = True, enable_cors: bool = False,
+                 draft_precision: str = "fp32", target_precision: str = "fp32", start_draft_worker: bool = True,
+                 enable_cors: bool = False,
                  log_level: str = "warning"):
         require_serving()
         from transformers.cli.serving.completion import CompletionHandler
@@ -67,7 +69,8 @@ class SSDServer:
         self._port = port
         self.metrics = ServingMetrics(target, speculative=self.ssd_config is not None,
                                       lookahead=self.ssd_config.lookahead if self.ssd_config else 0)
-        self.model_manager = SSDModelManager(target, draft, draft_precision=draft_precision, device=device,
+        self.model_manager = SSDModelManager(target, draft, draft_precision=draft_precision,
+                                             target_precision=target_precision, device=device,
                                              dtype=dtype)
         if self.ssd_config is not None and start_draft_worker:
             self._start_draft_worker()
