@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -191,9 +192,13 @@ def test_adaptive_prediction_over_the_rounds_the_policy_chose():
 
     decisions = [{"k": 4, "depth": 4}, {"k": 0, "depth": 1}, {"k": 0, "depth": 0}, {"k": 0, "depth": 0},
                  {"k": 4, "depth": 4}]
-    assert rounds_by_lookahead([{"lookahead_decisions": decisions}] * 2) == {"0": [4, 2, None], "4": [0, 2, None]}
-    counted = [dict(entry, tokens=5.0 if entry["k"] else 1.0) for entry in decisions]
-    assert rounds_by_lookahead([{"lookahead_decisions": counted}]) == {"0": [2, 1, 3.0], "4": [0, 1, 5.0]}
+    assert rounds_by_lookahead([{"lookahead_decisions": decisions}] * 2) == {
+        "0": [4, 2, None, None], "4": [0, 2, None, None]}
+    counted = [dict(entry, tokens=5.0 if entry["k"] else 1.0, forward_ms=300.0 + 10 * i)
+               for i, entry in enumerate(decisions)]
+    # paused rounds' forwards averaged (rounds 2 and 3: 320 and 330 ms); a working round's forward is not theirs
+    assert rounds_by_lookahead([{"lookahead_decisions": counted}]) == {"0": [2, 1, 3.0, 325.0],
+                                                                       "4": [0, 1, 5.0, None]}
     lat = Latencies(target_step_ms=400.0, draft_step_ms=50.0, target_verify_ms={4: 900.0},
                     draft_tree_ms={8: 40.0}, overlap_efficiency=0.8, round_overhead_ms=5.0)
     stats = Statistics(acceptance=[0.9, 0.8, 0.5, 0.5], p_hit=0.75, e_hit=1.7, e_miss=1.2)
@@ -217,10 +222,21 @@ def test_adaptive_prediction_over_the_rounds_the_policy_chose():
     assert both["ssd_tok_s"] == pytest.approx(1e3 * (10 + 45.0) / (10 * 255.0 + 10 * (500.0 + 4 * 45.0 + 5.0)))
     measured = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [10, 0, 45.0]}, every, 70.0, 12.0)
     assert measured["ssd_tok_s"] == pytest.approx(1e3 * 4.5 / (500.0 + 4 * 70.0 + 12.0))  # the run's own costs
+    timed = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"0": [10, 0, 10.0, 230.0], "4": [10, 0, 45.0, 450.0]},
+                                every, 70.0, 12.0)  # verifications as the run timed them at its contexts
+    assert timed["ssd_tok_s"] == pytest.approx(1e3 * (10 + 45.0) / (10 * 242.0 + 10 * (450.0 + 4 * 70.0 + 12.0)))
     runs = [{"lookahead_decisions": [{"k": 2, "serial_draft_ms_per_token": 60.0, "overhead_ms": 4.0},
                                      {"k": 2, "serial_draft_ms_per_token": 80.0, "overhead_ms": 6.0}]},
-            {"lookahead_decisions": [{"k": 0, "overhead_ms": 10.0}]}]
-    assert measured_round_costs(runs) == {"serial_draft_ms_per_token": 80.0, "round_overhead_ms": 8.0}
+            {"lookahead_decisions": [{"k": 0, "overhead_ms": 10.0, "draft_ms": 300.0}]}]
+    assert measured_round_costs(runs) == {"serial_draft_ms_per_token": 80.0, "round_overhead_ms": 8.0,
+                                          "draft_round_ms": 300.0}
+    # the draft's round as the drafter timed it (beside the verification: its contention included) replaces the
+    # probe's glue + K tree steps (50 + 4 x 40 = 210 ms)
+    drafted = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [0, 10, 45.0]}, draft_round_ms=1200.0)
+    slower = dataclasses.replace(lat, draft_tree_ms={8: (1200.0 - 50.0) / 4}, overlap_efficiency=1.0)
+    assert drafted["ssd_tok_s"] == pytest.approx(
+        1e3 * 4.5 / predict(slower, stats, 4, 8, "draft")["breakdown_ms"]["ssd_mean_round"])
+    assert drafted["ssd_tok_s"] < brought["ssd_tok_s"]  # a draft slower than the verification sets the round
     best = adaptive_prediction(lat, stats, 4, 8, "draft", "x")  # no mix: the best single K
     assert best["adaptive_best_k"] in range(5)
 

@@ -50,16 +50,22 @@ def fit_power_law(hits_by_fanout: Mapping[Any, Sequence[int]], min_count: int = 
 def rounds_by_lookahead(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
     """Decode rounds (the first, with the prefills, left out) by the K the lookahead policy verified:
     {K: [rounds with the draft paused, rounds with it working beside the verification, tokens per row they
-    brought]} (a plain step, K = 0, has the draft working on its first steps and probes; the tokens are None when
-    the runs did not record them)."""
+    brought, mean target forward ms of the paused rounds]} (a plain step, K = 0, has the draft working on its first
+    steps and probes; the tokens are None when the runs did not record them, the forward ms when no paused round
+    timed one). A paused round's forward ran on every core with nothing beside it, at the context the prompt had
+    reached: what the speed model takes for those rounds (`predict.adaptive_prediction`)."""
     mix: dict[int, list] = {}
     for m in metrics_list:
         for entry in (m.get("lookahead_decisions") or [])[1:]:
-            counts = mix.setdefault(int(entry["k"]), [0, 0, 0.0])
-            counts[int(entry.get("depth", 1) > 0)] += 1
+            counts = mix.setdefault(int(entry["k"]), [0, 0, 0.0, 0.0, 0])
+            paused = entry.get("depth", 1) == 0
+            counts[int(not paused)] += 1
             tokens = entry.get("tokens")
             counts[2] = None if tokens is None or counts[2] is None else counts[2] + tokens
-    return {str(k): mix[k] for k in sorted(mix)}
+            if paused and entry.get("forward_ms") is not None:
+                counts[3] += entry["forward_ms"]
+                counts[4] += 1
+    return {str(k): [*mix[k][:3], mix[k][3] / mix[k][4] if mix[k][4] else None] for k in sorted(mix)}
 
 
 def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -126,13 +132,15 @@ def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str
 def measured_round_costs(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
     """What the lookahead policy measured of its rounds (the last estimate of each run, averaged over runs): the
     draft's cost per token drafted just in time after a verification it sat out (`serial_draft_ms_per_token`: a
-    draft step plus the drafter's own work per token) and the loop's overhead per round (`round_overhead_ms`);
-    None where no run measured it."""
+    draft step plus the drafter's own work per token), the loop's overhead per round (`round_overhead_ms`) and the
+    draft's round beside a verification (`draft_round_ms`: glue and tree, as the drafter timed its prepares); None
+    where no run measured it."""
     def last(m, key):
         return next((d[key] for d in reversed(m.get("lookahead_decisions") or []) if d.get(key)), None)
 
     out = {}
-    names = {"serial_draft_ms_per_token": "serial_draft_ms_per_token", "overhead_ms": "round_overhead_ms"}
+    names = {"serial_draft_ms_per_token": "serial_draft_ms_per_token", "overhead_ms": "round_overhead_ms",
+             "draft_ms": "draft_round_ms"}
     for key, name in names.items():
         values = [v for v in (last(m, key) for m in metrics_list) if v is not None]
         out[name] = sum(values) / len(values) if values else None

@@ -116,7 +116,8 @@ def _backup_kind(backup: str) -> str:
 
 def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str,
                         mix: Mapping[str, Sequence] | None = None, lat_all=None,
-                        serial_token_ms: float | None = None, overhead_ms: float | None = None) -> dict[str, Any]:
+                        serial_token_ms: float | None = None, overhead_ms: float | None = None,
+                        draft_round_ms: float | None = None) -> dict[str, Any]:
     """The speed model for a run whose rounds verify K = 0..K_max (`lookahead_schedule="adaptive"`): SD and AR as
     usual at K_max; SSD over the rounds the policy chose, `mix` (`rounds_by_lookahead`: per K, rounds with the
     draft paused / working and the tokens they brought): tokens Σ n_K·E(K) over time Σ n_K·R(K), with R(K) the
@@ -126,7 +127,12 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
     threads together; `lat` if not given), beside the draft's probe (a glue and one tree step) when the draft
     worked; a serial round (K > 0, the draft paused) is a verification on every core plus K tokens drafted just in
     time (`serial_token_ms`, as the run measured them: a draft step and the drafter's own work; else a draft step).
-    `overhead_ms`, the loop's overhead per round as the run measured it, replaces the latencies' where given.
+    Where the mix gives the mean forward of the paused rounds at K (timed by the run at the contexts its prompts
+    reached, on every core with nothing beside it), that is their verification; otherwise `lat_all`'s.
+    `overhead_ms`, the loop's overhead per round as the run measured it, replaces the latencies' where given, and
+    `draft_round_ms`, the draft's round beside a verification as the drafter timed it (K_max deep, at the run's
+    contexts and fan-outs), the probe's glue and tree steps; that time already holds what the verification beside
+    it cost the draft, so the concurrent body is then the longer of the two (no overlap penalty on top).
     Without a mix: the best single K for these latencies and statistics (K = 0: plain target steps)."""
     from ..speed_model import _concurrent, predict
 
@@ -142,6 +148,10 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
     per_k = dataclasses.replace(stats, e_hit=None, e_miss=None)  # the measured means mix every K: use the profile
     if overhead_ms is not None:
         lat = dataclasses.replace(lat, round_overhead_ms=max(overhead_ms, 0.0))
+    if draft_round_ms is not None:  # d_hit = a draft step + K tree steps (speed_model.predict)
+        tree = max(draft_round_ms - lat.draft_step_ms, 0.0) / lookahead
+        table = lat.draft_tree_ms if isinstance(lat.draft_tree_ms, dict) else {}
+        lat = dataclasses.replace(lat, draft_tree_ms={**table, budget: tree}, overlap_efficiency=1.0)
     probe = lat.draft_forward(2) + lat.tree_step(budget)
     every = lat_all or lat
     per_token = max(serial_token_ms or 0.0, every.draft_step_ms)
@@ -149,8 +159,9 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
     breakdown = {}
     for key, (paused, working, *brought) in mix.items():
         k, measured = int(key), brought[0] if brought else None
+        timed = brought[1] if len(brought) > 1 else None  # the paused rounds' mean forward, ms
         if k == 0:
-            plain = every.target_step_ms + lat.round_overhead_ms
+            plain = (timed if timed is not None else every.target_step_ms) + lat.round_overhead_ms
             beside = _concurrent(every.target_step_ms, probe, lat.overlap_efficiency) + lat.round_overhead_ms
             tokens += paused + working
             seconds += paused * plain + working * beside
@@ -161,7 +172,7 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
             if measured is not None and paused + working:
                 e = measured / (paused + working)
             round_ms = at_k["breakdown_ms"]["ssd_mean_round"]
-            serial_ms = every.verify(k) + k * per_token + lat.round_overhead_ms
+            serial_ms = (timed if timed is not None else every.verify(k)) + k * per_token + lat.round_overhead_ms
             tokens += (paused + working) * e
             seconds += working * round_ms + paused * serial_ms
             breakdown[key] = {"rounds": [paused, working], "E": e, "round_ms": [serial_ms, round_ms]}
@@ -194,6 +205,8 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
         backup = _backup_kind(ssd.get("backup") or "draft")
         rows = []
         measured_here = (by_dataset or {}).get(dataset) or latencies
+        measured_here = {threads: _calibrated(measured, by_method, methods, threads)
+                         for threads, measured in measured_here.items()}
         base = measured_here.get(settings.target_threads) or next(iter(measured_here.values()))
         for threads, measured in sorted(measured_here.items()):
             merged = {**base, **{k: v for k, v in measured.items() if v is not None}}
@@ -205,7 +218,8 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
                     every_core and threads == settings.target_threads) else None
                 pred = adaptive_prediction(lat, stats, settings.lookahead, settings.budget, backup, label,
                                            ssd.get("rounds_by_lookahead"), lat_all,
-                                           ssd.get("serial_draft_ms_per_token"), ssd.get("round_overhead_ms"))
+                                           ssd.get("serial_draft_ms_per_token"), ssd.get("round_overhead_ms"),
+                                           ssd.get("draft_round_ms"))
             else:
                 pred = predict(lat, stats, settings.lookahead, settings.budget, backup, label=label)
             for m in methods:
@@ -229,6 +243,23 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
                 out_pred = pred
         out[dataset] = {"statistics": vars(stats), "backup": backup, "rows": rows, "prediction": out_pred}
     return out
+
+
+def _calibrated(measured: Mapping[str, Any], by_method: Mapping[str, Any], methods: Sequence[MethodSpec],
+                threads: int) -> dict[str, Any]:
+    """The target's latencies at `threads` scaled to the level this run's plain decoding measured at that thread
+    count (its ms per token over the target step the direct probe timed), the probe's curve over K kept. The probe
+    times a few forwards at the set's decode context; on a shared machine its level drifted 10-30 % from the
+    decoding timed around it, so the AR run, which steps through the same contexts in the same window, sets the
+    level (`calibration` records the factor; AR's own prediction is then its measurement)."""
+    ar = next((m for m in methods if m.kind == "ar" and m.threads == threads), None)
+    got = by_method.get(ar.key, {}).get("decode_tok_s") if ar is not None else None
+    step = measured.get("target_step_ms")
+    if not got or not step:
+        return dict(measured)
+    factor = 1e3 / got / step
+    verify = {k: v * factor for k, v in (measured.get("target_verify_ms") or {}).items()}
+    return {**measured, "target_step_ms": step * factor, "target_verify_ms": verify, "calibration": factor}
 
 
 def _explain_ar_gap(pred: Mapping[str, Any], ar: Mapping[str, Any]) -> list[str]:
