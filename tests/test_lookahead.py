@@ -632,3 +632,20 @@ def test_negative_control_q_shifted_when_k_is_partial(law_models, monkeypatch):
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
     print(f"negative control p-values {pvalues}")
     assert min(pvalues.values()) < REJECT, pvalues
+
+
+def test_a_cost_not_measured_for_long_is_timed_again(clock):
+    """A useless draft beside a packed target (verifying a few positions costs about a plain step): the one plain
+    step timed early came out slow (420 ms, a loaded moment), so serial rounds at 384 ms a round looked better and
+    the plain step was never chosen, hence never measured again. A close competitor not timed for `RETIME_AFTER`
+    rounds is timed again: the plain step's real 345 ms is found and plain steps win from then on."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.05, concurrent=True, cost_shape=FLAT_SHAPE,
+                             serial=True)
+    common = dict(concurrent_ms=lambda k: 560.0, serial_ms=lambda k: 375.0, draft_ms=450.0, jit_ms=9.0, clock=clock,
+                  acceptance=0.0)
+    early = _drive_modes(policy, 8, plain_ms=420.0, **common)
+    assert any(k == 0 for k, _ in early) and early[-1] == (1, "serial")  # the plain step was timed (slow)
+    later = _drive_modes(policy, lookahead_module.RETIME_AFTER + 16, plain_ms=345.0, **common)
+    retimed = next(i for i, (k, _) in enumerate(later) if k == 0)
+    assert retimed <= lookahead_module.RETIME_AFTER + 2
+    assert policy.verify[0].value < 0.40 and all(k == 0 for k, _ in later[-8:])

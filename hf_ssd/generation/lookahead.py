@@ -41,6 +41,7 @@ from ..packing import PackedLinear
 DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
 EXPLORE_WITHIN = 0.9
+RETIME_AFTER = 16  # rounds after which a close competitor's cost, not measured since, is timed again
 PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
 PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds at first,
 PROBE_MAX = 32  # then, each time probing ends without speculation paying, twice as rarely (up to this)
@@ -194,6 +195,7 @@ class LookaheadPolicy:
         self._round_start: float | None = None
         self._timings = None
         self._rounds = 0
+        self._timed_at: dict[tuple[bool, int], int] = {}  # (serial, K) -> the round its cost was last measured in
         self._plain_run = 0  # plain steps chosen in a row
         self._last_free_sample: float | None = None  # a_1's sample from the last plain step, if any
         self._probe_chain = 0  # probes in a row after accepted ones
@@ -434,12 +436,18 @@ class LookaheadPolicy:
                 self._record(limit, speeds, "trial", serial_speeds)
                 return limit
         top = max([*speeds.values(), *serial_speeds.values()])
-        # never timed, or only remembered: remembered costs come from other contexts (the curve's steps move with
-        # the context), so a close competitor of the best is timed again once in this call
+        # never timed, only remembered or timed long ago: remembered costs come from other contexts (the curve's
+        # steps move with the context) and a cost not chosen since it was timed is never measured again (one noisy
+        # plain step kept a useless draft's speculation going), so a close competitor of the best is timed again
         def untimed(mode, mode_speeds, known, timed_now):
             chosen = (mode == SERIAL) == (self._mode == SERIAL)  # `best` is a K of this mode
+
+            def stale(k: int) -> bool:
+                last = self._timed_at.get((mode == SERIAL, k), self._rounds)
+                return k not in timed_now or self._rounds - last > RETIME_AFTER
+
             return [(v, k, mode) for k, v in mode_speeds.items() if k <= limit and v >= EXPLORE_WITHIN * top and (
-                k not in known or (k not in timed_now and not (chosen and k == best)))]
+                k not in known or (stale(k) and not (chosen and k == best)))]
 
         unmeasured = untimed(CONCURRENT, speeds, table, self.verify) + untimed(
             SERIAL, serial_speeds, serial_table, self.serial_verify)
@@ -522,6 +530,7 @@ class LookaheadPolicy:
         serial = paused and k > 0  # verified on every core while the draft sat it out
         if k > 0 or paused:  # a plain step is timed while the draft is paused: what choosing it costs for long
             (self.serial_verify if serial else self.verify).setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
+            self._timed_at[(serial, k)] = self._rounds
             if self.memory is not None and self.adaptive:
                 self.memory.record(self._setting(serial), k, forward_seconds)
         backup_now = serial_now = 0.0
