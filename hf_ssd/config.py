@@ -8,6 +8,7 @@ from typing import Any
 
 FANOUT_KINDS = ("geometric", "uniform")
 LOOKAHEAD_SCHEDULES = ("adaptive", "constant")
+FANOUT_BUDGET_SCHEDULES = ("adaptive", "constant")
 BACKUPS = ("auto", "draft", "ngram", "random")
 EXECUTORS = ("auto", "thread", "process", "sync", "stream")
 
@@ -36,7 +37,11 @@ class SSDConfig:
             step) or `"constant"` (always K; like transformers' `num_assistant_tokens_schedule`).
         fanout: which verification outcomes to prepare: `"geometric"` (Theorem 12, adapted online),
             `"uniform"`, or an explicit list of K+1 non-negative ints (branches per accepted length 0..K).
-        fanout_budget: B, the total number of branches prepared per round (>= 1).
+        fanout_budget: B, the most branches prepared per row and round (>= 1).
+        fanout_budget_schedule: how many of them each round prepares: `"adaptive"` (B, B/2, ..., 1, chosen every
+            round for the most expected tokens per second from the draft's measured round time and hit rate per
+            budget: fewer only where the draft's round outlasts the verification) or `"constant"` (always B).
+            An explicit `fanout` list is always prepared whole.
         saguaro_c: C in (0, 1]; the draft's top candidates are down-weighted by C when sampling so that the
             bonus token lands in the cache (1.0 disables Saguaro sampling; only matters when sampling).
         backup: the speculator used on a cache miss: `"draft"` (the draft model, just in time), `"ngram"`
@@ -64,6 +69,7 @@ class SSDConfig:
     lookahead_schedule: str = "adaptive"
     fanout: str | list[int] = "geometric"
     fanout_budget: int = 8
+    fanout_budget_schedule: str = "adaptive"
     saguaro_c: float = 1.0
     backup: str = "auto"
     executor: str = "auto"
@@ -94,6 +100,8 @@ class SSDConfig:
         _check_int("fanout_budget", self.fanout_budget, 1)
         if self.lookahead_schedule not in LOOKAHEAD_SCHEDULES:
             _fail("lookahead_schedule", self.lookahead_schedule, f"expected one of {LOOKAHEAD_SCHEDULES}")
+        if self.fanout_budget_schedule not in FANOUT_BUDGET_SCHEDULES:
+            _fail("fanout_budget_schedule", self.fanout_budget_schedule, f"expected one of {FANOUT_BUDGET_SCHEDULES}")
         if isinstance(self.fanout, (list, tuple)):
             if len(self.fanout) != self.lookahead + 1 or any(
                 isinstance(f, bool) or not isinstance(f, int) or f < 0 for f in self.fanout

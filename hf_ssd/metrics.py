@@ -81,6 +81,10 @@ class SSDMetrics:
     verification time per K and the draft's round time they came from, whether K was the best, an exploration
     of an unmeasured K, from the prior cost shape (before any verification was timed) or fixed, the most the round
     could verify (`limit`), and how deep the draft prepared next (`depth`: 0 = paused).
+    `fanout_budget_per_round` is how many branches per row the draft prepared beside each verification
+    (`fanout_budget_schedule="adaptive"` chooses it every round; 0 while paused); the decisions record it
+    (`budget`) and, where it was decided, the predicted tokens per second of each budget considered
+    (`budget_tok_s`).
     """
 
     rounds: int = 0
@@ -130,6 +134,7 @@ class SSDMetrics:
     draft_load_seconds: float = 0.0
     lookahead_per_round: list[int] = field(default_factory=list)
     lookahead_decisions: list[dict[str, Any]] = field(default_factory=list)
+    fanout_budget_per_round: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

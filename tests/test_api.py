@@ -68,6 +68,7 @@ INVALID_FIELDS = [
     ("power_law_prior", 11.0, "(0, 10]"),
     ("adaptive", "yes", "bool"),
     ("lookahead_schedule", "heuristic", "adaptive"),
+    ("fanout_budget_schedule", "heuristic", "adaptive"),
     ("ngram_max", 0, ">= 1"),
 ]
 

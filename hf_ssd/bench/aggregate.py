@@ -68,6 +68,16 @@ def rounds_by_lookahead(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, 
     return {str(k): [*mix[k][:3], mix[k][3] / mix[k][4] if mix[k][4] else None] for k in sorted(mix)}
 
 
+def rounds_by_budget(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Rounds the draft prepared beside by the fan-out budget they used (`fanout_budget_schedule="adaptive"`)."""
+    counts: dict[int, int] = {}
+    for m in metrics_list:
+        for budget in m.get("fanout_budget_per_round") or []:
+            if budget:
+                counts[int(budget)] = counts.get(int(budget), 0) + 1
+    return {str(b): counts[b] for b in sorted(counts, reverse=True)}
+
+
 def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Pool `SSDMetrics.to_dict()`s of several runs (sums; rates as total / total)."""
     def total(key: str) -> float:
@@ -125,6 +135,7 @@ def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str
         "target_threads": next((m.get("target_threads") for m in metrics_list), None),
         "fanout_schedule_last": next((m.get("fanout_schedule") for m in reversed(metrics_list)), None),
         "rounds_by_lookahead": rounds_by_lookahead(metrics_list),
+        "rounds_by_fanout_budget": rounds_by_budget(metrics_list),
         **measured_round_costs(metrics_list),
     }
 

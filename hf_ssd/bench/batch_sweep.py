@@ -191,12 +191,20 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
                   realign_seconds=m.realign_seconds, draft_compact_seconds=m.draft_compact_seconds,
                   verify_seconds=m.verify_seconds, target_wait_seconds=m.target_wait_seconds,
                   decode_verify_seconds=m.verify_seconds - m.first_verify_seconds,
-                  decode_wait_seconds=m.target_wait_seconds - m.first_wait_seconds, batch_rounds=m.batch_rounds)
+                  decode_wait_seconds=m.target_wait_seconds - m.first_wait_seconds, batch_rounds=m.batch_rounds,
+                  mean_fanout_budget=mean_budget(m.fanout_budget_per_round),
+                  mean_lookahead=sum(m.lookahead_per_round) / max(len(m.lookahead_per_round), 1))
     return results
 
 
+def mean_budget(budgets: list[int]) -> float | None:
+    """The mean fan-out budget over the rounds the draft prepared beside (0: paused rounds, left out)."""
+    working = [b for b in budgets if b]
+    return sum(working) / len(working) if working else None
+
+
 def _cell(point: dict[str, Any], key: str, spec: str) -> str:
-    return format(point[key], spec) if key in point else ""
+    return format(point[key], spec) if point.get(key) is not None else ""
 
 
 def sweep_table(results: dict[str, Any]) -> str:
@@ -205,8 +213,8 @@ def sweep_table(results: dict[str, Any]) -> str:
     assisted = next((p for p in points if p["method"] == "assisted"), None)
     plain = {p["batch_size"]: p for p in points if p["method"] == "plain"}
     lines = ["| b | method | decode tok/s | ms/token | × plain | × assisted | e2e tok/s | identical | hit rate "
-             "| accepted/round | realign+compact % | KV bytes/token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| accepted/round | mean K | mean B | realign+compact % | KV bytes/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         base = plain.get(p["batch_size"])
         x_plain = f"{p['throughput'] / base['throughput']:.2f}" if base and p is not base else ""
@@ -218,7 +226,8 @@ def sweep_table(results: dict[str, Any]) -> str:
             f"| {p['batch_size']} | {p['method']} | {p['throughput']:.2f} | {p['latency_ms']:.0f} | {x_plain} | "
             f"{x_assisted} | {p['e2e_throughput']:.2f} | {_cell(p, 'identical', '.2f')} | "
             f"{_cell(p, 'hit_rate', '.2f')} | "
-            f"{_cell(p, 'mean_accepted_length', '.2f')} | {overhead} | {_cell(p, 'kv_bytes_per_token', '.0f')} |")
+            f"{_cell(p, 'mean_accepted_length', '.2f')} | {_cell(p, 'mean_lookahead', '.2f')} | "
+            f"{_cell(p, 'mean_fanout_budget', '.1f')} | {overhead} | {_cell(p, 'kv_bytes_per_token', '.0f')} |")
     return "\n".join(lines)
 
 

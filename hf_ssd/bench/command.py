@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fanout", default="geometric", choices=["geometric", "uniform"])
     parser.add_argument("--lookahead-schedule", default="adaptive", choices=["adaptive", "constant"],
                         help="SSD: draft tokens verified per round chosen per round (adaptive) or always K")
+    parser.add_argument("--fanout-budget-schedule", default="adaptive", choices=["adaptive", "constant"],
+                        help="SSD: branches prepared per round chosen per round (adaptive, at most B) or always B")
     parser.add_argument("--backup", default="auto", choices=["auto", "draft", "ngram", "random"])
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling, seed per prompt")
     parser.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
@@ -206,6 +208,7 @@ def run_command(args: argparse.Namespace) -> int:
         draft_threads=args.draft_threads, target_threads=args.target_threads, seed=args.seed, fanout=args.fanout,
         backup=args.backup, latencies=not args.no_latencies, overlap_efficiency=args.overlap_efficiency,
         executor=args.executor, lookahead_schedule=args.lookahead_schedule, sd_lookaheads=sd_lookaheads,
+        fanout_budget_schedule=args.fanout_budget_schedule,
     )
     build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads,
                   settings.sd_lookaheads)  # validate

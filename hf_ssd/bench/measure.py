@@ -189,6 +189,7 @@ class BenchSettings:
     backup: str = "auto"
     executor: str = "auto"  # the ssd method's; ssd-sync runs inline
     lookahead_schedule: str = "adaptive"
+    fanout_budget_schedule: str = "adaptive"
     warmup_tokens: int = 8
     latencies: bool = True
     latency_repeats: int = 3
@@ -216,7 +217,8 @@ class BenchSettings:
             threads = dict(draft_threads=spec.draft_threads, target_threads=spec.target_threads)
         executor = self.executor if spec.kind == "ssd" else spec.executor
         return SSDConfig(lookahead=self.lookahead, fanout_budget=self.budget, fanout=self.fanout, backup=self.backup,
-                         executor=executor, lookahead_schedule=self.lookahead_schedule, **threads)
+                         executor=executor, lookahead_schedule=self.lookahead_schedule,
+                         fanout_budget_schedule=self.fanout_budget_schedule, **threads)
 
 
 @dataclass

@@ -133,8 +133,14 @@ def critical_path_lines(results: Mapping[str, Any]) -> list[str]:
 
     paths = {key: s.get("critical_path") for key, s in results["summary"][ALL].items() if s.get("critical_path")}
     table = critical_path_table({f"{key} ({', '.join(p['executor'])})": p for key, p in paths.items()})
-    return [table, "", "ms per decode round (first round, with the prefills, left out). Target phases add up to "
-            "the round; the draft's forwards and its own Python run concurrently with them."] if table else []
+    budgets = [f"{key}: " + ", ".join(f"B={b} {n}" for b, n in by.items())
+               for key, s in results["summary"][ALL].items()
+               if (by := (s.get("ssd") or {}).get("rounds_by_fanout_budget"))]
+    lines = [table, "", "ms per decode round (first round, with the prefills, left out). Target phases add up to "
+             "the round; the draft's forwards and its own Python run concurrently with them."] if table else []
+    if budgets:
+        lines += ["", "Rounds by the fan-out budget the draft prepared beside them: " + "; ".join(budgets) + "."]
+    return lines
 
 
 def gap_lines(results: Mapping[str, Any]) -> list[str]:
@@ -194,7 +200,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "",
         f"- created {results['created']}; wall {results.get('wall_seconds', 0):.0f} s",
         f"- target: {_model_text(models.get('target'))}; draft: {_model_text(models.get('draft'))}",
-        f"- {mode}; K={s['lookahead']}, B={s['budget']} ({s['fanout']} fan-out, backup {s['backup']}); "
+        f"- {mode}; K={s['lookahead']} ({s.get('lookahead_schedule', 'adaptive')}), B={s['budget']} "
+        f"({s['fanout']} fan-out, {s.get('fanout_budget_schedule', 'constant')} budget, backup {s['backup']}); "
         f"max_new_tokens={s['max_new_tokens']}; repeats={s['repeats']}; seed {s['seed']}",
         "- prompts: " + ", ".join(f"{k} ({v['prompts']}, {v['source']})" for k, v in results["datasets"].items()),
         f"- {env['cpu_model']}, {env['available_cores']} cores; torch {env['torch']}, transformers "

@@ -335,10 +335,11 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         return top
 
     def prepare(self, verified: int | None = None, depth: int | None = None,
-                speculations: list[Speculation] | None = None) -> None:
+                speculations: list[Speculation] | None = None, budget: int | None = None) -> None:
         """Glue, fork and tree-decode every branch of every row for the outcomes of verifying the first `verified`
         tokens (default: all) of `speculations` (default: the ones `begin` / `resolve` handed out last, which is
-        what the target verifies), each branch `depth` tokens deep (default K: the next speculations' length).
+        what the target verifies), each branch `depth` tokens deep (default K: the next speculations' length),
+        `budget` branches per row (default B, at most B: the round's fan-out budget, see `FanoutBudget`).
         `depth` 0 pauses the draft: no forward at all, the next speculations are empty (the target takes plain
         steps) and the tokens committed meanwhile are glued when a later `prepare` resumes.
 
@@ -353,9 +354,9 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             if depth == 0:  # paused: the target takes a plain step; nothing to glue or draft until resumed
                 self.speculations, self.spec_cache, self.fanout_in_use, self.depth = speculations, None, [], 0
                 return
-            self._prepare(speculations, length if verified is None else verified, depth)
+            self._prepare(speculations, length if verified is None else verified, depth, budget)
 
-    def _prepare(self, speculations: list[Speculation], verified: int, depth: int) -> None:
+    def _prepare(self, speculations: list[Speculation], verified: int, depth: int, budget: int | None) -> None:
         started = time.perf_counter()
         k = self.depth = depth
         self.speculations = speculations
@@ -364,7 +365,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.check()
         row_top = self._glue(speculations)
         self.main_len = len(self.cache)
-        self.fanout_in_use = [self.estimator.schedule(lookup_kind(s.source), verified) for s in speculations]
+        self.fanout_in_use = [self.estimator.schedule(lookup_kind(s.source), verified, budget)
+                               for s in speculations]
         fanout = torch.tensor(self.fanout_in_use, device=self.device)
         drafted = torch.stack([s.tokens for s in speculations]).to(self.device)
         forks, current, usable = fork_candidates(row_top[:, : verified + 1], drafted[:, :verified], fanout)

@@ -21,6 +21,7 @@ from ..config import SSDConfig
 from ..metrics import MetricsRecorder
 from ..runtime import DraftRequest, choose_executor, open_executor, split_threads
 from .backup import AutoBackup
+from .budget import FanoutBudget
 from .candidate_generator import sampling_warpers
 from .checks import check_processors, check_supported, model_vocab_size
 from .lookahead import LookaheadMemory, LookaheadPolicy, prior_cost_shape
@@ -60,7 +61,9 @@ def ssd_decoding(
     policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,
                              concurrent=kind != "sync", cost_shape=prior_cost_shape(model),
                              memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
-                             draft_key=id(assistant_model), serial=shared_cores)
+                             draft_key=id(assistant_model), serial=shared_cores,
+                             fanout=FanoutBudget(config.branches, _budget_adaptive(config), config.power_law_prior,
+                                                 concurrent=kind != "sync"))
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -73,8 +76,10 @@ def ssd_decoding(
             verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions),
                                      rows=len(batch.active))
             depth = policy.depth(verified)
+            budget = policy.budget(depth, recorder.tokens_per_round("cache"),
+                                   recorder.tokens_per_round(backups.choice))
             with phase("wait_prepare"):  # a submission (inline with executor="sync": the whole task)
-                preparing = drafter.prepare(verified, depth)  # concurrent with the verification
+                preparing = drafter.prepare(verified, depth, budget)  # concurrent with the verification
             # the target runs on every core when the draft sits the verification out (a plain step, a serial round)
             # or only probes one token beside a plain step
             idle = depth == 0 or (verified == 0 and depth == 1)
@@ -119,6 +124,11 @@ def _ending(streamer):
         if streamer is not None:
             streamer.end()
         raise
+
+
+def _budget_adaptive(config: SSDConfig) -> bool:
+    """Whether the fan-out budget is chosen per round (an explicit fan-out list is prepared whole)."""
+    return config.fanout_budget_schedule == "adaptive" and not isinstance(config.fanout, list)
 
 
 def _seeded_generator(device: torch.device) -> torch.Generator:

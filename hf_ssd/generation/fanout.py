@@ -123,16 +123,18 @@ class FanoutEstimator:
     def power(self) -> float:
         return fit_power_law(self.hits_by_f, self.r_prior) if self.adaptive else self.r_prior
 
-    def schedule(self, kind: str, verified: int | None = None) -> list[int]:
+    def schedule(self, kind: str, verified: int | None = None, budget: int | None = None) -> list[int]:
         """The fan-out over k = 0..n for the round after verifying `verified` = n (default K) tokens of a speculation
-        of `kind` ("hit" or "miss"). An explicit fan-out shorter-verified folds its tail into the last fork."""
+        of `kind` ("hit" or "miss"), `budget` branches in all (default B; an explicit fan-out keeps its own). An
+        explicit fan-out shorter-verified folds its tail into the last fork."""
         n = self.lookahead if verified is None else verified
+        budget = self.budget if budget is None else max(1, min(budget, self.budget))
         if isinstance(self.fanout, list):
             out = list(self.fanout[:n]) + [sum(self.fanout[n:])]
         elif self.fanout == "uniform":
-            out = uniform_fanout(n, self.budget)
+            out = uniform_fanout(n, budget)
         else:
-            out = geometric_fanout(self.acceptance(kind), self.power(), n, self.budget)
+            out = geometric_fanout(self.acceptance(kind), self.power(), n, budget)
         return cap_fanout(out, self.vocab_size)
 
     def schedules(self) -> dict[str, list[int]]:

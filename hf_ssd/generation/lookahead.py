@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from ..packing import PackedLinear
+from .budget import FanoutBudget
 
 DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
@@ -175,8 +176,10 @@ class LookaheadPolicy:
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
                  cost_shape: tuple[float, float] = CPU_SHAPE, memory: LookaheadMemory | None = None,
-                 setting: tuple = (), draft_key: int | None = None, serial: bool = False):
+                 setting: tuple = (), draft_key: int | None = None, serial: bool = False,
+                 fanout: FanoutBudget | None = None):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
+        self.fanout = fanout or FanoutBudget(1, adaptive=False, power=1.0, concurrent=concurrent)  # see `budget`
         self.serial_option = serial and concurrent and adaptive  # see `SERIAL` in the module docstring
         self.memory, self.setting, self.draft_key = memory, setting, draft_key
         if memory is not None and draft_key in memory.acceptance:
@@ -187,7 +190,7 @@ class LookaheadPolicy:
         self.serial_verify = {}  # K >= 1 -> _Ema of a verification on every core while the draft sits it out
         self.serial_token = _Ema(COST_DECAY)  # seconds per token drafted just in time, on every core
         self.jump, self.slope = cost_shape  # the cost curve's prior shape, only until measured (see `shape`)
-        self.draft = _Ema(COST_DECAY)  # seconds of one prepare (glue, fork, tree)
+        self.draft = _Ema(COST_DECAY)  # seconds of one prepare (glue, fork, tree), at whatever depth and budget
         self.backup = _Ema(COST_DECAY)  # seconds of one just-in-time backup
         self.overhead = _Ema(COST_DECAY)  # round time not explained by the model
         self.hit_rate = _Ema(DECAY)
@@ -302,10 +305,15 @@ class LookaheadPolicy:
             return None
         if k == 0:
             return verify + max(self.overhead.value or 0.0, 0.0)
-        draft = self.draft.value or 0.0
+        draft = self.draft_seconds()
         body = max(verify, draft) if self.concurrent else verify + draft
         miss = (1 - (self.hit_rate.value if self.hit_rate.value is not None else 1.0)) * (self.backup.value or 0.0)
         return body + max(self.overhead.value or 0.0, 0.0) + miss
+
+    def draft_seconds(self) -> float:
+        """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
+        at_budget = self.fanout.draft.get(self.fanout.current)
+        return at_budget if at_budget is not None else self.draft.value or 0.0
 
     # --- the decision ------------------------------------------------------------------------------------------
     def choose(self, limit: int, rows: int = 1) -> int:
@@ -374,6 +382,25 @@ class LookaheadPolicy:
             if self.serial:
                 self.trace[-1]["serial"] = self.serial
         return depth
+
+    def budget(self, depth: int, e_hit: float = 0.0, e_miss: float = 0.0) -> int:
+        """The fan-out budget of the prepare `depth` asked for (`FanoutBudget`): decided on rounds that prepare the
+        whole depth beside the verification, from this round's verification time at the K speculation wants, the
+        backup's time, and tokens per round after a hit (`e_hit`) and a miss (`e_miss`; either 0: E(K) from the
+        acceptance estimates); kept as it is otherwise."""
+        rates = {}
+        if depth == self.k_max and self._mode == CONCURRENT:
+            k = self._wanted or self.k_max
+            expected = expected_tokens(self.acceptance.estimates(), k)
+            hit = self.hit_rate.value
+            _, rates = self.fanout.choose(self.verify_seconds(k), self.backup.value or 0.0,
+                                          self.overhead.value or 0.0, e_hit or expected, e_miss or expected,
+                                          1.0 - hit if hit is not None else 0.0)
+        if self.trace:
+            self.trace[-1]["budget"] = self.fanout.current
+            if rates:
+                self.trace[-1]["budget_tok_s"] = {b: round(v, 2) for b, v in rates.items()}
+        return self.fanout.current
 
     def _drafted_after(self, depth: int) -> int:
         """With serial rounds available, the draft's work for a probe or a trial is done after the verification, on
@@ -537,7 +564,10 @@ class LookaheadPolicy:
         if previous is not None:
             calls = timings.prepare_calls - previous.prepare_calls
             if calls > 0:
-                self.draft.add((timings.prepare_seconds - previous.prepare_seconds) / calls)
+                per_call = (timings.prepare_seconds - previous.prepare_seconds) / calls
+                self.draft.add(per_call)
+                if self.trace and self.trace[-1].get("depth") == self.k_max and "budget" in self.trace[-1]:
+                    self.fanout.observe(self.trace[-1]["budget"], per_call, hits, lookups)
             backups = timings.backup_calls - previous.backup_calls
             backup_now = timings.backup_seconds - previous.backup_seconds
             if backups > 0:
@@ -549,12 +579,15 @@ class LookaheadPolicy:
         if lookups:
             self.hit_rate.add(hits / lookups)
         if wall is not None:
-            draft = 0.0 if paused else self.draft.value or 0.0
+            draft = 0.0 if paused else self.draft_seconds()
             body = max(forward_seconds, draft) if self.concurrent else forward_seconds + draft
             self.overhead.add(wall - body - backup_now - serial_now)
 
     def metrics(self) -> dict:
         if self.memory is not None and self.draft_key is not None and self.acceptance.pooled_reached > 0:
             self.memory.acceptance[self.draft_key] = self.acceptance.pooled()
-        return {"lookahead_per_round": [entry["k"] for entry in self.trace], "lookahead_decisions": self.trace}
+        return {"lookahead_per_round": [entry["k"] for entry in self.trace],
+                "fanout_budget_per_round": [entry.get("budget", self.fanout.current) if entry.get("depth", 1) else 0
+                                            for entry in self.trace],
+                "lookahead_decisions": self.trace}
 

@@ -63,9 +63,9 @@ class DraftExecutor(ABC):
         """Prefill the prompts and draft the first speculations; pending `list[Speculation]`, one per row."""
 
     @abstractmethod
-    def prepare(self, verified: int, depth: int):
+    def prepare(self, verified: int, depth: int, budget: int):
         """Start preparing the outcomes of verifying the first `verified` tokens of the speculations handed out last,
-        the next speculations `depth` tokens long; pending None."""
+        the next speculations `depth` tokens long, `budget` branches per row; pending None."""
 
     @abstractmethod
     def announce(self, accepted: list[int], bonus: list[int]) -> None:

@@ -103,9 +103,9 @@ class LocalExecutor(DraftExecutor):
 
         return self._submit(on_all_cores, input_ids, attention_mask)
 
-    def prepare(self, verified: int, depth: int) -> Future:
+    def prepare(self, verified: int, depth: int, budget: int) -> Future:
         self.drafter.announce(None)
-        return self._submit(self.drafter.prepare, verified, depth)
+        return self._submit(self.drafter.prepare, verified, depth, None, budget)
 
     def announce(self, accepted, bonus) -> None:
         self.drafter.announce(list(zip(accepted, bonus)))

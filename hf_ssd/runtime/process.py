@@ -102,9 +102,9 @@ class ProcessExecutor(DraftExecutor):
         seq = self._send(wire.BEGIN, payload=payload)
         return _Pending(self, seq, lambda: [r.speculation for r in self._speculations(0, rows)])
 
-    def prepare(self, verified: int, depth: int):
+    def prepare(self, verified: int, depth: int, budget: int):
         self.round += 1
-        return _Pending(self, self._send(wire.PREPARE, self.round, verified, depth), lambda: None)
+        return _Pending(self, self._send(wire.PREPARE, self.round, verified, depth, d=budget), lambda: None)
 
     def announce(self, accepted, bonus) -> None:
         n = len(accepted)

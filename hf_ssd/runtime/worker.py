@@ -88,7 +88,7 @@ class _Server:
             with torch.no_grad():
                 if op == wire.PREPARE:
                     session.round = a
-                    session.drafter.prepare(verified=b, depth=c)
+                    session.drafter.prepare(verified=b, depth=c, budget=d or None)
                 elif op == wire.RESOLVE:
                     self.resolve(session, verified=a, backup=wire.BACKUPS[b], kept=c, serial=d)
                 else:
