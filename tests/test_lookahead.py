@@ -26,7 +26,7 @@ from test_sampling_law import (
 from hf_ssd import SSDConfig, enable_ssd
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation.candidate_generator import DraftTimings
-from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, LookaheadPolicy, expected_tokens
+from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE, LookaheadPolicy, expected_tokens
 
 # --- the policy, on synthetic rounds ---------------------------------------------------------------------------
 
@@ -649,3 +649,38 @@ def test_a_cost_not_measured_for_long_is_timed_again(clock):
     retimed = next(i for i, (k, _) in enumerate(later) if k == 0)
     assert retimed <= lookahead_module.RETIME_AFTER + 2
     assert policy.verify[0].value < 0.40 and all(k == 0 for k, _ in later[-8:])
+
+
+def test_in_a_batch_the_prior_curve_turns_compute_bound(clock):
+    """A batch's verification covers rows * (K + 1) positions: past the knee (16 positions for packed CPU kernels,
+    256 on a GPU) its cost grows in proportion to positions, so a plain step over the batch's rows is guessed that
+    much cheaper than a measured K = 4 verification; one row keeps the flat curve."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE)
+    _measured(policy, {4: 0.69})
+    assert policy.verify_seconds(0) == pytest.approx(0.69 / (1.02 + 0.02 * 3))
+    policy._active_rows = 8  # 40 positions against 8: (40 / 16) / (1.02 + 0.02 * 6)
+    assert policy.shape(4) == pytest.approx(2.5 / 1.14)
+    assert policy.verify_seconds(0) == pytest.approx(0.69 * 1.14 / 2.5)
+    gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=GPU_SHAPE)
+    gpu._active_rows = 8
+    assert gpu.shape(4) == pytest.approx((1.02 + 0.02 * 38) / (1.02 + 0.02 * 6))
+
+
+def test_a_plain_step_in_a_batch_is_tried_when_it_might_win(clock):
+    """In a batch the prior of a plain step is least reliable (there a plain step on every core gains from the
+    second core what a verification beside the draft does not): an unmeasured one is tried once when its guess
+    comes within half of the best; with one row, only within 10 %."""
+    def policy_at(rows):
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=FLAT_SHAPE)
+        _measured(policy, {1: 0.60, 2: 0.62, 3: 0.66, 4: 0.69})
+        policy._rounds = 3
+        policy.acceptance.reached = [10.0] * 5
+        policy.acceptance.passed = [8.0] * 5
+        policy._active_rows = rows
+        return policy
+
+    batch = policy_at(8)
+    assert batch.choose(4, rows=8) == 0 and batch.trace[-1]["why"] == "explore"
+    assert 0.5 < batch.trace[-1]["tok_s"][0] / max(batch.trace[-1]["tok_s"].values()) < 0.9
+    single = policy_at(1)
+    assert single.choose(4, rows=1) != 0

@@ -181,7 +181,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     results = batch_sweep(target, draft, tokenizer, prompts, sizes, lookahead=args.lookahead, budget=args.budget,
                           max_new_tokens=args.max_new_tokens, draft_threads=args.draft_threads,
                           target_threads=args.target_threads, backups=backups,
-                          log=lambda line: print(line, file=sys.stderr, flush=True))
+                          log=lambda line: print(line, file=sys.stderr, flush=True),
+                          lookahead_schedule=args.lookahead_schedule,
+                          fanout_budget_schedule=args.fanout_budget_schedule)
     results.update(info, command=sys.argv, prompts=[s.name for s in prompt_sets])
     paths = write_sweep(results, out, plots=not args.no_plots)
     print(sweep_table(results))

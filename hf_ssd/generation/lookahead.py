@@ -13,11 +13,14 @@ round time, from what this run has measured:
   current context (recent rounds weigh most); an unmeasured K >= 1 is guessed optimistically (as cheap as the
   measured K below it, or in proportion to positions from the one above), and the plain step (K = 0) is scaled
   by the prior shape `shape` (on a CPU one position is a matrix-vector product and several a matrix product: a
-  jump of 2x, then +0.1 per position; on a GPU 1.02x + 0.02) until it is measured itself; next to it the draft's
-  round T_d (they overlap unless the draft runs inline), the loop's measured overhead and, on a miss, the
-  backup's time. A plain step runs on every core (the draft is paused), as plain decoding would.
+  jump of 2x, then +0.1 per position; on a GPU and with packed CPU kernels 1.02x + 0.02; over a batch's rows x
+  (K+1) positions, and in proportion to positions past the knee where the forward turns compute-bound) until it
+  is measured itself; next to it the draft's round T_d at the round's fan-out budget (`FanoutBudget`: they
+  overlap unless the draft runs inline), the loop's measured overhead and, on a miss, the backup's time. A plain
+  step runs on every core (the draft is paused), as plain decoding would.
 
-An unmeasured K whose predicted speed comes within 10 % of the best is tried once, so that the cost curve is
+An unmeasured K whose predicted speed comes within 10 % of the best is tried once (an unmeasured plain step in a
+batch within 50 %: `EXPLORE_PLAIN_WITHIN`), so that the cost curve is
 learnt where it matters: the curve's shape differs between machines (on one 2-core AMD EPYC, 2 positions cost
 2.1x one; on a 2-core Intel Xeon with AVX-512, 3 positions cost 1.06x one and 5 positions 2x).
 
@@ -42,6 +45,10 @@ from .budget import FanoutBudget
 DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
 EXPLORE_WITHIN = 0.9
+# An unmeasured plain step in a batch is tried once when its guessed speed comes within this of the best: the prior
+# curve is least reliable there (a batch's verification can turn compute-bound, where a plain step on every core
+# gains from the second core what a verification beside the draft does not), and one plain step costs little.
+EXPLORE_PLAIN_WITHIN = 0.5
 RETIME_AFTER = 16  # rounds after which a close competitor's cost, not measured since, is timed again
 PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
 PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds at first,
@@ -55,10 +62,12 @@ PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: 
 # round costs little more than a plain step, and waiting for certainty costs more than it saves.
 SPECULATE_MARGIN = 1.05
 RESUME_MARGIN = 1.2
-# Priors of the verification cost curve's shape (jump, slope: see `LookaheadPolicy.shape`), only until measured.
-# Measured on 2-core CPUs with MKL's fp32 kernels (Qwen 1.5B: 2 positions 2.0-2.3x one, each further one +0.05-0.1x);
-# near flat on GPUs and with oneDNN's packed kernels (`packing.py`: 5 positions 0.66-1.0x one on a 2-core EPYC).
-CPU_SHAPE, FLAT_SHAPE = (2.0, 0.1), (1.02, 0.02)
+# Priors of the verification cost curve's shape (jump, slope, knee: see `LookaheadPolicy.shape`), only until
+# measured. Measured on 2-core CPUs with MKL's fp32 kernels (Qwen 1.5B: 2 positions 2.0-2.3x one, each further one
+# +0.05-0.1x); near flat on GPUs and with oneDNN's packed kernels (`packing.py`: 5 positions 0.66-1.0x one on a
+# 2-core EPYC) until the forward turns compute-bound: from the knee on, cost grows in proportion to positions (the
+# packed 1.5B target on one EPYC core: 9 positions cost 0.9x one, a batch of 8 rows verifying 5 each ~2.8x).
+CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE = (2.0, 0.1, 16.0), (1.02, 0.02, 16.0), (1.02, 0.02, 256.0)
 # How the next speculation is made (`LookaheadPolicy._mode`): by the draft during this verification, by the draft
 # after it (the draft sits the verification out and both run on every core in turn), or not at all.
 CONCURRENT, SERIAL, PLAIN = "concurrent", "serial", "plain"
@@ -163,10 +172,12 @@ def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
     return best
 
 
-def prior_cost_shape(model) -> tuple[float, float]:
-    """The prior shape of `model`'s verification cost curve: flat on accelerators and for packed CPU Linear layers,
-    MKL's jump from one position to several otherwise."""
-    if model.device.type != "cpu" or any(isinstance(m, PackedLinear) for m in model.modules()):
+def prior_cost_shape(model) -> tuple[float, float, float]:
+    """The prior shape of `model`'s verification cost curve: flat on accelerators (up to hundreds of positions) and
+    for packed CPU Linear layers (up to a dozen), MKL's jump from one position to several otherwise."""
+    if model.device.type != "cpu":
+        return GPU_SHAPE
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
         return FLAT_SHAPE
     return CPU_SHAPE
 
@@ -175,7 +186,7 @@ class LookaheadPolicy:
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
-                 cost_shape: tuple[float, float] = CPU_SHAPE, memory: LookaheadMemory | None = None,
+                 cost_shape: tuple[float, ...] = CPU_SHAPE, memory: LookaheadMemory | None = None,
                  setting: tuple = (), draft_key: int | None = None, serial: bool = False,
                  fanout: FanoutBudget | None = None):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
@@ -189,7 +200,8 @@ class LookaheadPolicy:
         self.verify = {}  # K -> _Ema of the target forward seconds (K = 0: a plain step, on every core)
         self.serial_verify = {}  # K >= 1 -> _Ema of a verification on every core while the draft sits it out
         self.serial_token = _Ema(COST_DECAY)  # seconds per token drafted just in time, on every core
-        self.jump, self.slope = cost_shape  # the cost curve's prior shape, only until measured (see `shape`)
+        # the cost curve's prior shape, only until measured (see `shape`); no knee given: never compute-bound
+        self.jump, self.slope, self.knee = (*cost_shape, float("inf"))[:3]
         self.draft = _Ema(COST_DECAY)  # seconds of one prepare (glue, fork, tree), at whatever depth and budget
         self.backup = _Ema(COST_DECAY)  # seconds of one just-in-time backup
         self.overhead = _Ema(COST_DECAY)  # round time not explained by the model
@@ -292,10 +304,16 @@ class LookaheadPolicy:
         return (*self.setting, self._active_rows, *(("serial",) if serial else ()))
 
     def shape(self, k: int) -> float:
-        """The prior cost curve T_v(k) / T_v(0): one position is a plain step (on a CPU a matrix-vector product,
-        several positions a matrix product, which costs twice as much per weight read: `jump`), then `slope` per
-        extra position."""
-        return 1.0 if k == 0 else self.jump + self.slope * (k - 1)
+        """The prior cost curve T_v(k) / T_v(0) at the active rows: the forward's cost over its rows * (k + 1)
+        positions relative to a plain step's over its rows (`positions_cost`)."""
+        rows = max(self._active_rows, 1)
+        return self.positions_cost(rows * (k + 1)) / self.positions_cost(rows)
+
+    def positions_cost(self, n: int) -> float:
+        """A forward over `n` positions relative to one: one position is a plain step (on a CPU a matrix-vector
+        product, several a matrix product, which costs twice as much per weight read: `jump`), then `slope` per
+        extra position; from `knee` positions on at least in proportion to positions (compute-bound)."""
+        return 1.0 if n <= 1 else max(self.jump + self.slope * (n - 2), n / self.knee)
 
     def round_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
         """R(k): the verification, beside (or after) the draft's round, the loop's overhead and the expected backup
@@ -473,7 +491,11 @@ class LookaheadPolicy:
                 last = self._timed_at.get((mode == SERIAL, k), self._rounds)
                 return k not in timed_now or self._rounds - last > RETIME_AFTER
 
-            return [(v, k, mode) for k, v in mode_speeds.items() if k <= limit and v >= EXPLORE_WITHIN * top and (
+            def close(k: int, v: float) -> bool:
+                plain_in_batch = k == 0 and mode == CONCURRENT and self._active_rows > 1 and k not in known
+                return v >= (EXPLORE_PLAIN_WITHIN if plain_in_batch else EXPLORE_WITHIN) * top
+
+            return [(v, k, mode) for k, v in mode_speeds.items() if k <= limit and close(k, v) and (
                 k not in known or (stale(k) and not (chosen and k == best)))]
 
         unmeasured = untimed(CONCURRENT, speeds, table, self.verify) + untimed(
