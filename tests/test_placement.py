@@ -110,7 +110,8 @@ def test_a_dispatched_target_verifies_exactly(dispatched, executor):
         assert torch.equal(out, expected)
     assert hooked.ssd_metrics.cache_hits > 0
     torch.manual_seed(7)  # sampling: the same tokens as SSD on the undispatched target for a seed
-    config = SSDConfig(lookahead=3, executor=executor, backup="draft", lookahead_schedule="constant")
+    config = SSDConfig(lookahead=3, executor=executor, backup="draft", lookahead_schedule="constant",
+                       fanout_budget_schedule="constant")
     sampled = hooked.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=True, pad_token_id=0,
                               ssd_config=config)
     torch.manual_seed(7)

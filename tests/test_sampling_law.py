@@ -476,15 +476,16 @@ def test_negative_control_q_corrupted_at_the_process_boundary(models, monkeypatc
 @pytest.mark.parametrize("backup", ["draft", "ngram"])
 def test_sampling_is_reproducible_and_executor_independent(backup, rows):
     """The same seed gives the same sampled tokens under every executor (per-round draft seeds), for a fixed
-    backup and a constant lookahead schedule. (`backup="auto"` and `lookahead_schedule="adaptive"` decide from
-    measured latencies, so which backup runs and how many tokens a round verifies may vary between runs.)"""
+    backup and constant lookahead and fan-out budget schedules. (`backup="auto"` and the adaptive schedules decide
+    from measured latencies, so which backup runs, how many tokens a round verifies and how many branches the draft
+    samples may vary between runs.)"""
     target, draft = tiny_pair("llama", seed=31)
     input_ids = torch.randint(0, 96, (rows, 6), generator=torch.Generator().manual_seed(0))
     outputs = []
     for executor in ("thread", "sync", "process", "stream", "thread"):
         torch.manual_seed(123)
         config = SSDConfig(lookahead=3, saguaro_c=0.5, executor=executor, backup=backup,
-                           lookahead_schedule="constant")
+                           lookahead_schedule="constant", fanout_budget_schedule="constant")
         outputs.append(target.generate(input_ids, assistant_model=draft, do_sample=True, max_new_tokens=30,
                                        ssd_config=config, pad_token_id=0))
     assert all(torch.equal(outputs[0], out) for out in outputs[1:])

@@ -52,7 +52,8 @@ def test_static_cache_target_with_a_compiled_forward(arch, executor, schedule, c
 def test_sampling_with_a_static_cache_matches_the_dynamic_cache_for_a_seed():
     target, draft = tiny_pair("llama", seed=22)
     ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
-    config = SSDConfig(lookahead=3, saguaro_c=0.5, backup="draft", lookahead_schedule="constant", executor="sync")
+    config = SSDConfig(lookahead=3, saguaro_c=0.5, backup="draft", lookahead_schedule="constant",
+                       fanout_budget_schedule="constant", executor="sync")
     outputs = []
     for static in (False, True):
         torch.manual_seed(5)

@@ -110,7 +110,8 @@ def test_stream_matches_thread_for_a_seed(do_sample):
     outputs = []
     for executor in ("thread", "stream"):
         torch.manual_seed(9)
-        config = SSDConfig(lookahead=3, executor=executor, backup="draft", lookahead_schedule="constant")
+        config = SSDConfig(lookahead=3, executor=executor, backup="draft", lookahead_schedule="constant",
+                           fanout_budget_schedule="constant")
         outputs.append(target.generate(ids, assistant_model=draft, max_new_tokens=16, do_sample=do_sample,
                                        pad_token_id=0, ssd_config=config))
     assert torch.equal(outputs[0], outputs[1])
