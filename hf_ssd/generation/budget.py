@@ -11,10 +11,9 @@ takes the budget with the most expected tokens per second,
 (T_v + T_d when the draft runs inline), from what the run measured: the draft's round T_d per budget, the hit rate
 per budget, tokens per round after a hit and after a miss, the backup's time T_b. An unmeasured budget is guessed
 from the measured ones (a fixed part and a part per branch; from a single measurement optimistically, in proportion
-to branches) so that it gets tried once when it might win, one step (a halving or doubling) from the budget in
-use at a time; an unmeasured hit rate follows the power law of the
-fan-out (miss ∝ B^-r, `SSDConfig.power_law_prior`) from the nearest measured budget. Leaving the budget in use asks
-for `SWITCH_MARGIN` more.
+to branches) so that it gets tried once when it might win, one step (a halving or doubling) from the budget in use
+at a time; an unmeasured hit rate follows the power law of the fan-out (miss ∝ B^-r, `SSDConfig.power_law_prior`)
+from the nearest measured budget. Leaving the budget in use asks for `SWITCH_MARGIN` more.
 """
 
 from __future__ import annotations
