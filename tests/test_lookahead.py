@@ -480,21 +480,28 @@ def test_greedy_identical_through_serial_rounds(serial_scripted, arch, executor)
             assert m.draft_acceptance_rate == 1.0 and m.tokens_per_round_by_source["serial"] > 1
 
 
+def batch_greedy_runs(seed: int, ids_seed: int, new_tokens: int, config: SSDConfig):
+    """SSD's metrics on a left-padded batch of 3 rows (pads 0, 4, 2), with the target as its own draft and with an
+    unrelated one, each output checked against plain batched greedy decoding."""
+    target, draft = tiny_pair("llama", seed=seed)
+    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(ids_seed))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    ids = ids * mask
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    for assistant in (target, draft):
+        out = target.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0, ssd_config=config)
+        assert torch.equal(out, expected)
+        yield target.ssd_metrics
+
+
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_batch_greedy_identical_through_serial_rounds(serial_scripted, executor):
     """A left-padded batch whose rows accept different numbers of tokens in serial rounds and finish at different
     times."""
-    target, draft = tiny_pair("llama", seed=71)
-    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(9))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = mask[2, :2] = 0
-    ids = ids * mask
-    expected = target.generate(ids, attention_mask=mask, max_new_tokens=23, do_sample=False, pad_token_id=0)
-    for assistant in (target, draft):
-        out = target.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=23,
-                              do_sample=False, pad_token_id=0, ssd_config=SSDConfig(lookahead=3, executor=executor))
-        assert torch.equal(out, expected)
-        assert target.ssd_metrics.rounds_by_source.get("serial", 0) >= 4
+    for metrics in batch_greedy_runs(71, 9, 23, SSDConfig(lookahead=3, executor=executor)):
+        assert metrics.rounds_by_source.get("serial", 0) >= 4
 
 
 def test_serial_rounds_run_on_every_core(serial_scripted):
@@ -539,17 +546,8 @@ def test_plain_steps_run_on_every_core(scripted, executor):
 
 
 def test_batch_greedy_identical_while_k_changes(scripted):
-    target, draft = tiny_pair("llama", seed=70)
-    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(6))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = mask[2, :2] = 0
-    ids = ids * mask
-    expected = target.generate(ids, attention_mask=mask, max_new_tokens=21, do_sample=False, pad_token_id=0)
-    for assistant in (target, draft):
-        out = target.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=21,
-                              do_sample=False, pad_token_id=0, ssd_config=SSDConfig(lookahead=3))
-        assert torch.equal(out, expected)
-        assert 0 in target.ssd_metrics.lookahead_per_round
+    for metrics in batch_greedy_runs(70, 6, 21, SSDConfig(lookahead=3)):
+        assert 0 in metrics.lookahead_per_round
 
 
 @pytest.fixture(scope="module")

@@ -417,11 +417,8 @@ def test_negative_control_saguaro_q_mismatch_is_rejected(models, monkeypatch):
     assert min(pvalues.values()) < REJECT, pvalues
 
 
-def test_negative_control_hit_path_q_misaligned_is_rejected(models, monkeypatch):
-    """Power check of the hit path alone: hand verification a cached branch's q with its two steps swapped.
-
-    Rejected with half the samples (min p-values 1e-14..1e-41 over six seeds).
-    """
+def swap_cached_q(monkeypatch) -> None:
+    """Corrupt the hit path alone: every cached branch's q reaches verification with its steps swapped."""
     lookup = SpeculationCache.lookup
 
     def lookup_swapped(self, row, accepted, bonus):
@@ -429,6 +426,14 @@ def test_negative_control_hit_path_q_misaligned_is_rejected(models, monkeypatch)
         return None if found is None else dataclasses.replace(found, probs=found.probs.flip(0))
 
     monkeypatch.setattr(SpeculationCache, "lookup", lookup_swapped)
+
+
+def test_negative_control_hit_path_q_misaligned_is_rejected(models, monkeypatch):
+    """Power check of the hit path alone: hand verification a cached branch's q with its two steps swapped.
+
+    Rejected with half the samples (min p-values 1e-14..1e-41 over six seeds).
+    """
+    swap_cached_q(monkeypatch)
     target = models["target"]
     config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.05, backup="ngram", executor="sync",
                        lookahead_schedule=CONTROL_SCHEDULE)
