@@ -130,7 +130,7 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
             tokens = torch.tensor([1 if j < agree[pos] else 2 for j in range(spec_len)], dtype=torch.long)
             scores = torch.zeros(1, k + 1, 3)
             scores[0, k, 1] = 1.0  # the target's token at position k: 1, so the draft's s_{k+1} matches iff L > k
-            row = SimpleNamespace(speculation=SimpleNamespace(tokens=tokens, probs=None))
+            row = SimpleNamespace(speculation=SimpleNamespace(tokens=tokens, probs=None, confidence=None))
             policy.observe_verification([row], SimpleNamespace(verified=k, accepted=[accepted], scores=scores))
             idle = depth == 0
             forward = (verify_all[k] if idle else verify[k] * (profile["contention"] if k == 0 else 1.0)) / 1e3

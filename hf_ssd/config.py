@@ -35,6 +35,11 @@ class SSDConfig:
         lookahead_schedule: how many of them each round verifies: `"adaptive"` (0..K, chosen every round for the
             most expected tokens per second from the run's own acceptance and measured costs; 0 is a plain target
             step) or `"constant"` (always K; like transformers' `num_assistant_tokens_schedule`).
+        draft_confidence: with the adaptive schedule, condition each round on the draft's confidence in the tokens at
+            hand: verify as many of this speculation's tokens as its confidences (calibrated online against what the
+            target accepted) say pay, and stop drafting just in time (serial rounds, the draft backup) where the
+            next token is not expected to repay its cost, as transformers' `assistant_confidence_threshold` does
+            with a fixed threshold. False: the run's average acceptance per position decides.
         fanout: which verification outcomes to prepare: `"geometric"` (Theorem 12, adapted online),
             `"uniform"`, or an explicit list of K+1 non-negative ints (branches per accepted length 0..K).
         fanout_budget: B, the most branches prepared per row and round (>= 1).
@@ -67,6 +72,7 @@ class SSDConfig:
 
     lookahead: int = 3
     lookahead_schedule: str = "adaptive"
+    draft_confidence: bool = True
     fanout: str | list[int] = "geometric"
     fanout_budget: int = 8
     fanout_budget_schedule: str = "adaptive"
@@ -100,6 +106,8 @@ class SSDConfig:
         _check_int("fanout_budget", self.fanout_budget, 1)
         if self.lookahead_schedule not in LOOKAHEAD_SCHEDULES:
             _fail("lookahead_schedule", self.lookahead_schedule, f"expected one of {LOOKAHEAD_SCHEDULES}")
+        if not isinstance(self.draft_confidence, bool):
+            _fail("draft_confidence", self.draft_confidence, "expected a bool")
         if self.fanout_budget_schedule not in FANOUT_BUDGET_SCHEDULES:
             _fail("fanout_budget_schedule", self.fanout_budget_schedule, f"expected one of {FANOUT_BUDGET_SCHEDULES}")
         if isinstance(self.fanout, (list, tuple)):

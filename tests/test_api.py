@@ -69,6 +69,7 @@ INVALID_FIELDS = [
     ("adaptive", "yes", "bool"),
     ("lookahead_schedule", "heuristic", "adaptive"),
     ("fanout_budget_schedule", "heuristic", "adaptive"),
+    ("draft_confidence", "yes", "bool"),
     ("ngram_max", 0, ">= 1"),
 ]
 
@@ -88,7 +89,7 @@ def test_config_rejects_invalid_field(name, value, allowed):
 def test_config_round_trip_and_unknown_keys():
     config = SSDConfig(lookahead=2, fanout=[2, 1, 1], fanout_budget=5, saguaro_c=0.5, backup="ngram",
                        executor="sync", draft_threads=1, target_threads=1, acceptance_prior=0.5,
-                       power_law_prior=2.0, adaptive=False, ngram_max=2)
+                       power_law_prior=2.0, adaptive=False, ngram_max=2, draft_confidence=False)
     data = config.to_dict()
     assert set(data) == set(SSDConfig.field_names())
     assert json.loads(json.dumps(data)) == data  # JSON-friendly

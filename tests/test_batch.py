@@ -385,9 +385,9 @@ def test_auto_backup_keeps_the_draft_when_it_is_cheap(monkeypatch):
             param.add_(0.002 * torch.randn_like(param))
     original = SaguaroCandidateGenerator._backup_speculations
 
-    def free_backup(self, rows, backup, length, phase="backup"):
+    def free_backup(self, rows, backup, length, phase="backup", stop=None):
         before = self.timings.backup_seconds
-        original(self, rows, backup, length, phase)
+        original(self, rows, backup, length, phase, stop)
         self.timings.backup_seconds = before + 1e-9 * bool(rows and backup == "draft")
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "_backup_speculations", free_backup)

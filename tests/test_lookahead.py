@@ -46,7 +46,8 @@ def _verdict(verified: int, accepted: int, target_next: int, vocab: int = 8):
 
 
 def _row(length: int):
-    return SimpleNamespace(speculation=SimpleNamespace(tokens=torch.arange(1, length + 1), probs=None))
+    spec = SimpleNamespace(tokens=torch.arange(1, length + 1), probs=None, confidence=None)
+    return SimpleNamespace(speculation=spec)
 
 
 def _drive(policy, rounds: int, accept_all: bool, verify_ms=lambda k: 10.0 * (1 + 0.5 * k), draft_ms=5.0,
@@ -595,11 +596,11 @@ def test_negative_control_serial_q_shifted(monkeypatch, law_models):
     _script(monkeypatch, [(0, 0, 3), (3, 0, 3)])  # the 2nd to 4th tokens come from serial speculations
     original = SaguaroCandidateGenerator._draft_just_in_time
 
-    def shifted(self, missed, length, phase, first=None):
-        tokens, probs, tops = original(self, missed, length, phase, first)
+    def shifted(self, missed, length, phase, first=None, stop=None):
+        tokens, probs, tops, confidence = original(self, missed, length, phase, first, stop)
         if phase == "serial" and probs is not None:
             probs = torch.cat([probs[:, 1:], probs[:, :1]], dim=1)
-        return tokens, probs, tops
+        return tokens, probs, tops, confidence
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "_draft_just_in_time", shifted)
     target = law_models["target"]

@@ -404,8 +404,8 @@ def test_negative_control_saguaro_q_mismatch_is_rejected(models, monkeypatch):
     original = SaguaroCandidateGenerator._sample
 
     def sample_with_vanilla_q(self, logits, saguaro_top):
-        tokens, _ = original(self, logits, saguaro_top)
-        return tokens, draft_probs(logits, self.warpers, 0, 1.0)
+        tokens, _, confidence = original(self, logits, saguaro_top)
+        return tokens, draft_probs(logits, self.warpers, 0, 1.0), confidence
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "_sample", sample_with_vanilla_q)
     target = models["target"]

@@ -107,7 +107,8 @@ def _figures(rows: list[list[int]], start: float, end: float, clock: EmissionClo
 def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: Sequence[int], *, lookahead: int,
                 budget: int, max_new_tokens: int, draft_threads: int = 1, target_threads: int = 1,
                 backups: Sequence[str] = BACKUPS, log: Callable[[str], None] = print,
-                lookahead_schedule: str = "adaptive", fanout_budget_schedule: str = "adaptive") -> dict[str, Any]:
+                lookahead_schedule: str = "adaptive", fanout_budget_schedule: str = "adaptive",
+                draft_confidence: bool = True) -> dict[str, Any]:
     """Measure every method at every batch size; returns the JSON-ready results (see the module docstring)."""
     import torch
 
@@ -127,12 +128,14 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
     results: dict[str, Any] = {"batch_sizes": list(batch_sizes), "lookahead": lookahead, "budget": budget,
                                "max_new_tokens": max_new_tokens, "draft_threads": draft_threads,
                                "target_threads": target_threads, "lookahead_schedule": lookahead_schedule,
-                               "fanout_budget_schedule": fanout_budget_schedule, "points": []}
+                               "fanout_budget_schedule": fanout_budget_schedule,
+                               "draft_confidence": draft_confidence, "points": []}
 
     def ssd(backup: str) -> SSDConfig:
         return SSDConfig(lookahead=lookahead, fanout_budget=budget, backup=backup, executor="auto",
                          draft_threads=draft_threads, target_threads=target_threads,
-                         lookahead_schedule=lookahead_schedule, fanout_budget_schedule=fanout_budget_schedule)
+                         lookahead_schedule=lookahead_schedule, fanout_budget_schedule=fanout_budget_schedule,
+                         draft_confidence=draft_confidence)
 
     # warm-up: the draft's worker process (so "auto" runs it from the first measured call), then one short call of
     # each code path

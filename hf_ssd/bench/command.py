@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SSD: draft tokens verified per round chosen per round (adaptive) or always K")
     parser.add_argument("--fanout-budget-schedule", default="adaptive", choices=["adaptive", "constant"],
                         help="SSD: branches prepared per round chosen per round (adaptive, at most B) or always B")
+    parser.add_argument("--draft-confidence", default="on", choices=["on", "off"],
+                        help="SSD: condition each round's K and just-in-time drafting on the draft's confidence "
+                             "(SSDConfig.draft_confidence)")
     parser.add_argument("--backup", default="auto", choices=["auto", "draft", "ngram", "random"])
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling, seed per prompt")
     parser.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
@@ -183,7 +186,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                           target_threads=args.target_threads, backups=backups,
                           log=lambda line: print(line, file=sys.stderr, flush=True),
                           lookahead_schedule=args.lookahead_schedule,
-                          fanout_budget_schedule=args.fanout_budget_schedule)
+                          fanout_budget_schedule=args.fanout_budget_schedule,
+                          draft_confidence=args.draft_confidence == "on")
     results.update(info, command=sys.argv, prompts=[s.name for s in prompt_sets])
     paths = write_sweep(results, out, plots=not args.no_plots)
     print(sweep_table(results))
@@ -210,7 +214,7 @@ def run_command(args: argparse.Namespace) -> int:
         draft_threads=args.draft_threads, target_threads=args.target_threads, seed=args.seed, fanout=args.fanout,
         backup=args.backup, latencies=not args.no_latencies, overlap_efficiency=args.overlap_efficiency,
         executor=args.executor, lookahead_schedule=args.lookahead_schedule, sd_lookaheads=sd_lookaheads,
-        fanout_budget_schedule=args.fanout_budget_schedule,
+        fanout_budget_schedule=args.fanout_budget_schedule, draft_confidence=args.draft_confidence == "on",
     )
     build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads,
                   settings.sd_lookaheads)  # validate

@@ -190,6 +190,7 @@ class BenchSettings:
     executor: str = "auto"  # the ssd method's; ssd-sync runs inline
     lookahead_schedule: str = "adaptive"
     fanout_budget_schedule: str = "adaptive"
+    draft_confidence: bool = True
     warmup_tokens: int = 8
     latencies: bool = True
     latency_repeats: int = 3
@@ -218,7 +219,8 @@ class BenchSettings:
         executor = self.executor if spec.kind == "ssd" else spec.executor
         return SSDConfig(lookahead=self.lookahead, fanout_budget=self.budget, fanout=self.fanout, backup=self.backup,
                          executor=executor, lookahead_schedule=self.lookahead_schedule,
-                         fanout_budget_schedule=self.fanout_budget_schedule, **threads)
+                         fanout_budget_schedule=self.fanout_budget_schedule,
+                         draft_confidence=self.draft_confidence, **threads)
 
 
 @dataclass

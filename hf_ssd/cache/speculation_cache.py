@@ -35,6 +35,8 @@ class Speculation:
     draft cache already holds the KV of [t_prev, s_1..s_{K-1}] on the row's main path: the next glue forward
     then only has to run s_K.
     `slots` [K], for a cached branch, are the draft-cache slots (in every row) where the tree wrote that KV.
+    `confidence` [K], when set, is the draft's probability of each of its tokens (its top probability under greedy
+    decoding, q(s_j) when sampling): what the lookahead policy conditions its acceptance estimates on.
     """
 
     tokens: torch.Tensor  # [K] long
@@ -42,6 +44,7 @@ class Speculation:
     source: str
     row_top: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     @property
     def from_cache(self) -> bool:
@@ -52,18 +55,19 @@ class SpeculationCache:
     """Branches prepared during one verification, addressable by the outcome they anticipate.
 
     Built from tensors: `rows`, `forks`, `candidates` [N] (row, k, bonus-token key of each branch), `tokens` [N, K],
-    `probs` [N, K, V] or None, and optionally `row_top` [N, K, W], `slots` [N, K] (see `Speculation`) and `valid`
-    [N] (branches to index; default all). Keys are moved to the host once, when the cache is built (off the
-    target's critical path).
+    `probs` [N, K, V] or None, and optionally `row_top` [N, K, W], `slots` [N, K], `confidence` [N, K] (see
+    `Speculation`) and `valid` [N] (branches to index; default all). Keys are moved to the host once, when the cache
+    is built (off the target's critical path).
     """
 
     def __init__(self, rows: torch.Tensor, forks: torch.Tensor, candidates: torch.Tensor, tokens: torch.Tensor,
                  probs: torch.Tensor | None, row_top: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                 valid: torch.Tensor | None = None):
+                 valid: torch.Tensor | None = None, confidence: torch.Tensor | None = None):
         keys = torch.stack([rows, forks, candidates], dim=1).tolist()
         usable = [True] * len(keys) if valid is None else valid.tolist()
         self._index = {tuple(key): i for i, (key, ok) in enumerate(zip(keys, usable)) if ok}
         self.tokens, self.probs, self.row_top, self.slots = tokens, probs, row_top, slots
+        self.confidence = confidence
 
     def __len__(self) -> int:
         return len(self._index)
@@ -81,4 +85,5 @@ class SpeculationCache:
         def pick(t):
             return None if t is None else t[i]
 
-        return Speculation(self.tokens[i], pick(self.probs), CACHE, pick(self.row_top), pick(self.slots))
+        return Speculation(self.tokens[i], pick(self.probs), CACHE, pick(self.row_top), pick(self.slots),
+                           pick(self.confidence))

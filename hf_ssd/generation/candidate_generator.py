@@ -38,6 +38,7 @@ from ..config import SSDConfig
 from ..metrics import PhaseTimer
 from .backup import backup_speculation
 from .checks import model_vocab_size
+from .confidence import StopRule
 from .fanout import FanoutEstimator, fork_candidates
 from .saguaro import draft_probs
 
@@ -75,6 +76,7 @@ class DraftTimings:
     serial_calls: int = 0
     serial_seconds: float = 0.0  # speculations drafted after a verification the draft sat out (see `resolve`)
     serial_tokens: int = 0  # tokens those drafted per row
+    backup_tokens: int = 0  # tokens the just-in-time draft backups drafted per row
 
 
 @dataclass
@@ -163,13 +165,19 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         return len(self.speculations)
 
     # --- sampling ---------------------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, saguaro_top: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens [...] (and q [..., V] when sampling) from draft logits [..., V]."""
+    def _sample(self, logits: torch.Tensor, saguaro_top: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Tokens [...], q [..., V] when sampling (else None) and the draft's confidence in each token [...] (its top
+        probability under greedy decoding, q of the token when sampling) from draft logits [..., V]."""
         if not self.do_sample:
-            return logits.argmax(dim=-1), None
+            top = logits.max(dim=-1)
+            confidence = (top.values.float() - logits.float().logsumexp(dim=-1)).exp()
+            return top.indices, None, confidence
         probs = draft_probs(logits.reshape(-1, logits.shape[-1]), self.warpers, saguaro_top, self.config.saguaro_c)
-        tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-        return tokens.reshape(logits.shape[:-1]), probs.reshape(logits.shape)
+        tokens = torch.multinomial(probs, 1, generator=self.generator)
+        confidence = probs.gather(-1, tokens).squeeze(-1)
+        shape = logits.shape[:-1]
+        return tokens.squeeze(-1).reshape(shape), probs.reshape(logits.shape), confidence.reshape(shape)
 
     def _saguaro_top(self, kind: str, position: int) -> int:
         """Candidates to down-weight at speculation position `position` (1-based): F_{position-1} plus the draft,
@@ -249,17 +257,20 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         """The draft's top-W tokens, W = branches + 1 (enough for any fork after skipping s_{j+1})."""
         return logits.topk(min(self.vocab_size, self.config.branches + 1), dim=-1).indices
 
-    def _draft_just_in_time(self, missed: torch.Tensor, length: int, phase: str, first: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The draft model's own speculation of `length` tokens for the rows in `missed` [b] (bool): that many
-        single-token forwards (one fewer when `first` [b, V] holds the logits after t_prev, already fed).
+    def _draft_just_in_time(self, missed: torch.Tensor, length: int, phase: str, first: torch.Tensor | None = None,
+                            stop: StopRule | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The draft model's own speculation of up to `length` tokens for the rows in `missed` [b] (bool): that many
+        single-token forwards (one fewer when `first` [b, V] holds the logits after t_prev, already fed), fewer where
+        `stop` says no row expects its next token to pay (at least one token; see `StopRule`).
 
         The other rows ride along as invisible dummies (one forward serves the whole batch). The real rows' KV stays
         in the cache and their top tokens travel with the speculation, so the next glue forward only has to run
-        the last drafted token. Returns tokens [b, n], q [b, n, V] or None, row_top [b, n, W].
+        the last drafted token. Returns tokens [b, n], q [b, n, V] or None, row_top [b, n, W], confidence [b, n].
         """
         token = self.t_prev.clone()
-        tokens, probs, tops = [], [], []
+        tokens, probs, tops, confidences = [], [], [], []
+        reach = torch.ones(missed.shape[0], device=self.device)
         for i in range(length):
             self.check()
             if i == 0 and first is not None:
@@ -269,28 +280,35 @@ class SaguaroCandidateGenerator(CandidateGenerator):
                 logits = self.cache.forward(token[:, None], (self.glue_start + i)[:, None], visible,
                                             valid=missed[:, None], phase=phase)
             tops.append(self._top(logits[:, -1]))
-            token, q = self._sample(logits[:, -1], self._saguaro_top("miss", i + 1))
+            token, q, confidence = self._sample(logits[:, -1], self._saguaro_top("miss", i + 1))
             tokens.append(token)
             probs.append(q)
+            confidences.append(confidence)
+            if stop is not None and i + 1 < length:
+                going, reach = stop.keeps_going(reach, confidence, missed)
+                if not going:
+                    break
         stacked = torch.stack(probs, dim=1) if self.do_sample else None
-        return torch.stack(tokens, dim=1), stacked, torch.stack(tops, dim=1)
+        return torch.stack(tokens, dim=1), stacked, torch.stack(tops, dim=1), torch.stack(confidences, dim=1)
 
-    def _backup_speculations(self, rows: list[int], backup: str, length: int, phase: str = "backup") -> None:
+    def _backup_speculations(self, rows: list[int], backup: str, length: int, phase: str = "backup",
+                             stop: StopRule | None = None) -> None:
         """Fill `self.speculations[r]` for the rows that missed, with `length` tokens of `backup` (its forwards
-        timed as `phase`)."""
+        timed as `phase`; the draft's may stop early, see `_draft_just_in_time`)."""
         if not rows:
             return
         if backup == "draft":
             started = time.perf_counter()
             missed = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
             missed[rows] = True
-            tokens, probs, tops = self._draft_just_in_time(missed, length, phase)
+            tokens, probs, tops, confidence = self._draft_just_in_time(missed, length, phase, stop=stop)
             for r in rows:
                 self.speculations[r] = Speculation(
-                    tokens[r], None if probs is None else probs[r], "draft", row_top=tops[r]
+                    tokens[r], None if probs is None else probs[r], "draft", row_top=tops[r], confidence=confidence[r]
                 )
             self.timings.backup_seconds += time.perf_counter() - started
             self.timings.backup_calls += 1
+            self.timings.backup_tokens += tokens.shape[1]
             return
         for r in rows:
             tokens, probs = backup_speculation(
@@ -384,6 +402,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         tokens = torch.empty(rows, branches, k, dtype=torch.long, device=self.device)
         tops = torch.empty(rows, branches, k, row_top.shape[-1], dtype=torch.long, device=self.device)
         probs = torch.empty(rows, branches, k, self.vocab_size, device=self.device) if self.do_sample else None
+        confidence = torch.empty(rows, branches, k, device=self.device)
         try:
             for step in range(1, k + 1):
                 self.check()
@@ -395,7 +414,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
                 step_logits = self.cache.forward(current, tree_step_positions(self.glue_start, forks, step), visible,
                                                  phase="tree")
                 tops[:, :, step - 1] = self._top(step_logits)
-                current, q = self._sample(step_logits, self._saguaro_top("hit", step))
+                current, q, confidence[:, :, step - 1] = self._sample(step_logits, self._saguaro_top("hit", step))
                 tokens[:, :, step - 1] = current
                 if probs is not None:
                     probs[:, :, step - 1] = q
@@ -407,7 +426,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             self.spec_cache = SpeculationCache(
                 row_ids.reshape(flat), forks.reshape(flat), candidates.reshape(flat), tokens.reshape(flat, k),
                 None if probs is None else probs.reshape(flat, k, -1), tops.reshape(flat, k, -1),
-                slots.repeat(rows, 1), usable.reshape(flat),
+                slots.repeat(rows, 1), usable.reshape(flat), confidence.reshape(flat, k),
             )
         finally:
             self.timings.prepare_seconds += time.perf_counter() - started
@@ -415,26 +434,27 @@ class SaguaroCandidateGenerator(CandidateGenerator):
 
     def resolve(
         self, outcomes: list[tuple[int, int]], verified: int, keep_rows: list[int] | None = None,
-        backup: str | None = None, serial: int = 0,
+        backup: str | None = None, serial: int = 0, stop: StopRule | None = None,
     ) -> list[Resolution]:
         """Commit every row's outcome (accepted, bonus) and return the next speculation of each row in
         `keep_rows` (default: all; finished rows leave the batch): its cache hit, or on a miss the backup's
         (`backup`, default `self.backup`). After a verification the draft sat out (a `prepare` of depth 0) there
         is nothing to look up: the next speculation is empty (a plain step follows) or, with `serial` > 0, that
-        many tokens the draft drafts now, just in time, as SD would (`SERIAL`).
+        many tokens the draft drafts now, just in time, as SD would (`SERIAL`). Drafting just in time (a serial
+        speculation, the draft backup's) stops early where `stop` says (None: never; see `StopRule`).
 
         The draft cache keeps, per row, the committed prefix plus the hit branch's tree slots; only the slots this
         round wrote move. Also feeds the fan-out estimator and snapshots the schedules for the next round; this
         runs strictly between two verifications, so every executor sees the same schedules.
         """
         with self.clock("resolve"):
-            return self._resolve(outcomes, verified, keep_rows, backup or self.backup, serial)
+            return self._resolve(outcomes, verified, keep_rows, backup or self.backup, serial, stop)
 
-    def _resolve(self, outcomes, verified, keep_rows, backup, serial=0) -> list[Resolution]:
+    def _resolve(self, outcomes, verified, keep_rows, backup, serial=0, stop=None) -> list[Resolution]:
         rows = self.rows
         keep_rows = list(range(rows)) if keep_rows is None else list(keep_rows)
         if self.depth == 0:
-            return self._resolve_paused(outcomes, verified, keep_rows, serial)
+            return self._resolve_paused(outcomes, verified, keep_rows, serial, stop)
         accepted = torch.tensor([a for a, _ in outcomes], device=self.device)
         keep = self.cache.valid.clone()
         keep[:, self.main_len :] = False
@@ -468,10 +488,14 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.schedules = self.estimator.schedules()
         self._round += 1
         self._reseed(1)
-        self._backup_speculations([i for i, s in enumerate(self.speculations) if s is None], backup, self.depth)
+        missed = [i for i, s in enumerate(self.speculations) if s is None]
+        # a batch's speculations have one length: a backup stops early only when no row hit (hits run the full depth)
+        self._backup_speculations(missed, backup, self.depth,
+                                  stop=stop if len(missed) == len(self.speculations) else None)
         return [Resolution(self.speculations[i], found_by_row[r] is not None) for i, r in enumerate(keep_rows)]
 
-    def _resolve_paused(self, outcomes, verified: int, keep_rows, serial: int = 0) -> list[Resolution]:
+    def _resolve_paused(self, outcomes, verified: int, keep_rows, serial: int = 0, stop: StopRule | None = None
+                        ) -> list[Resolution]:
         """After a verification the draft sat out: commit each row's accepted tokens and bonus. The cache keeps
         what it holds of the committed path (positions up to t_prev + accepted); the committed tokens it lacks
         wait, before the new t_prev, to be glued on resuming (`unglued`), or are fed now when rows lack different
@@ -511,11 +535,12 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
             return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
         every = torch.ones(len(keep_rows), dtype=torch.bool, device=self.device)
-        tokens, probs, tops = self._draft_just_in_time(every, serial, "serial", first=first)
-        self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i])
-                             for i in range(len(keep_rows))]
+        tokens, probs, tops, confidence = self._draft_just_in_time(every, serial, "serial", first=first,
+                                                                   stop=stop)
+        self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i],
+                                         confidence=confidence[i]) for i in range(len(keep_rows))]
         self.timings.serial_calls += 1
-        self.timings.serial_tokens += serial
+        self.timings.serial_tokens += tokens.shape[1]
         self.timings.serial_seconds += time.perf_counter() - started
         return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
 

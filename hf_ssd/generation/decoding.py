@@ -63,7 +63,8 @@ def ssd_decoding(
                              memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
                              draft_key=id(assistant_model), serial=shared_cores,
                              fanout=FanoutBudget(config.branches, _budget_adaptive(config), config.power_law_prior,
-                                                 concurrent=kind != "sync"))
+                                                 concurrent=kind != "sync"),
+                             confidence=config.draft_confidence)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -74,7 +75,8 @@ def ssd_decoding(
             batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask")).result())
         while True:
             verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions),
-                                     rows=len(batch.active))
+                                     rows=len(batch.active),
+                                     confidence=[row.speculation.confidence for row in batch.active])
             depth = policy.depth(verified)
             budget = policy.budget(depth, recorder.tokens_per_round("cache"),
                                    recorder.tokens_per_round(backups.choice))
@@ -103,7 +105,7 @@ def ssd_decoding(
             backup = backups.decide(recorder, drafter.timings(), len(batch.active))
             with phase("wait_resolve"):
                 resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup,
-                                              policy.serial).result()
+                                              policy.serial, policy.stop_rule()).result()
             for i, resolution in zip(keep, resolutions):
                 if resolution.looked_up:
                     recorder.record_lookup(resolution.hit, verdict.accepted[i])

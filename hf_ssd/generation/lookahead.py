@@ -41,6 +41,7 @@ import torch
 
 from ..packing import PackedLinear
 from .budget import FanoutBudget
+from .confidence import ConfidenceCalibration, StopRule, expected_tokens_per_row
 
 DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
@@ -188,7 +189,7 @@ class LookaheadPolicy:
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
                  cost_shape: tuple[float, ...] = CPU_SHAPE, memory: LookaheadMemory | None = None,
                  setting: tuple = (), draft_key: int | None = None, serial: bool = False,
-                 fanout: FanoutBudget | None = None):
+                 fanout: FanoutBudget | None = None, confidence: bool = False):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
         self.fanout = fanout or FanoutBudget(1, adaptive=False, power=1.0, concurrent=concurrent)  # see `budget`
         self.serial_option = serial and concurrent and adaptive  # see `SERIAL` in the module docstring
@@ -196,10 +197,18 @@ class LookaheadPolicy:
         if memory is not None and draft_key in memory.acceptance:
             acceptance_prior = memory.acceptance[draft_key]
         self.acceptance = AcceptanceTracker(lookahead + 1, acceptance_prior)
+        # f(c), the acceptance of a token given the draft's confidence in it (`confidence.py`): what decides this
+        # round's K from the speculation in hand and where just-in-time drafting stops
+        self.calibration = ConfidenceCalibration() if confidence and adaptive else None
+        self._confidence: list | None = None  # this round's per-row draft confidences ([n] tensors or None)
+        self._rate: float | None = None  # the expected tokens per second of the way chosen at the last decision
+        self._confident_speeds: dict[int, float] | None = None  # this round's speeds per K from its confidences
         self._active_rows = 1
         self.verify = {}  # K -> _Ema of the target forward seconds (K = 0: a plain step, on every core)
         self.serial_verify = {}  # K >= 1 -> _Ema of a verification on every core while the draft sits it out
         self.serial_token = _Ema(COST_DECAY)  # seconds per token drafted just in time, on every core
+        self.serial_length = _Ema(COST_DECAY)  # tokens a serial round drafts (fewer than asked where it stops early)
+        self.backup_token = _Ema(COST_DECAY)  # seconds per token of the draft backup (beside the target)
         # the cost curve's prior shape, only until measured (see `shape`); no knee given: never compute-bound
         self.jump, self.slope, self.knee = (*cost_shape, float("inf"))[:3]
         self.draft = _Ema(COST_DECAY)  # seconds of one prepare (glue, fork, tree), at whatever depth and budget
@@ -334,11 +343,12 @@ class LookaheadPolicy:
         return at_budget if at_budget is not None else self.draft.value or 0.0
 
     # --- the decision ------------------------------------------------------------------------------------------
-    def choose(self, limit: int, rows: int = 1) -> int:
-        """K for this round of `rows` active rows, at most `limit` (what max_length leaves); starts the round's
-        clock."""
+    def choose(self, limit: int, rows: int = 1, confidence: list | None = None) -> int:
+        """K for this round of `rows` active rows, at most `limit` (what max_length leaves), given the draft's
+        confidence in each row's tokens (`Speculation.confidence`, when known); starts the round's clock."""
         self._round_start = time.perf_counter()
         self._active_rows = rows
+        self._confidence = confidence
         self._exploring = False
         k = self._choose(min(limit, self.k_max))
         self.trace[-1]["limit"] = limit
@@ -368,7 +378,9 @@ class LookaheadPolicy:
         elif self.trace and self.trace[-1]["why"] == "trial":
             depth = self._drafted_after(self.k_max)  # probing's counters stay: a trial that fails goes back to them
         elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
-            depth, self.serial, self._plain_run, self._probe_chain = 0, self._wanted, 0, 0
+            # (with its confidence known, as deep as it stays worth it: `stop_rule`)
+            length = self.k_max if self.calibration is not None else self._wanted
+            depth, self.serial, self._plain_run, self._probe_chain = 0, length, 0, 0
             self._probe_every, self._since_probe = PROBE_EVERY, 0
         elif k > 0 or not self.adaptive or self._wanted > 0:
             depth, self._plain_run, self._probe_chain = self.k_max, 0, 0
@@ -433,6 +445,7 @@ class LookaheadPolicy:
         allow, see `depth`) and `_mode` how to make it: concurrently (the draft works during this verification),
         serially (it drafts after it, on every core) or not at all (plain steps)."""
         self._mode = CONCURRENT
+        self._confident_speeds = None
         if not self.adaptive:
             self._record(limit, None, "constant")
             return limit
@@ -474,6 +487,10 @@ class LookaheadPolicy:
         if 0 in speeds:
             within[0] = speeds[0]
         best = _best(within, margin) if within else 0
+        now_speeds = serial_speeds if self._mode == SERIAL else speeds
+        self._rate = now_speeds.get(self._wanted) or speeds.get(0)
+        if self._mode != PLAIN:
+            best = self._confident(best, limit, within, margin, table, serial_table)
         if self._trial:
             self._trial = False
             if best == 0 and limit > 0:
@@ -512,6 +529,69 @@ class LookaheadPolicy:
         self._record(best, speeds, "best", serial_speeds)
         return best
 
+    def _confident(self, best: int, limit: int, within: dict[int, float], margin: float, table: dict[int, float],
+                   serial_table: dict[int, float]) -> int:
+        """This round's K from the speculation in hand: E(K) from its tokens' calibrated acceptance f(c) (per row,
+        averaged over the batch's rows) over the round's time at K in the way chosen; `best` without confidences.
+        K = 0 costs what it costs in that way: beside the working draft (no cheaper than verifying one token
+        there) in a concurrent round, a plain step followed by the next speculation's drafting in a serial one."""
+        acceptance = self._round_acceptance(limit)
+        if acceptance is None:
+            return best
+        expected = expected_tokens_per_row(acceptance).mean(dim=0).tolist()
+        speeds = {}
+        for k in range(0 if 0 in within else 1, limit + 1):
+            seconds = self._seconds_now(k, table, serial_table)
+            if seconds is not None and seconds > 0:
+                speeds[k] = expected[k] / seconds
+        if not any(k > 0 for k in speeds):
+            return best
+        self._confident_speeds = speeds
+        return _best(speeds, margin)
+
+    def _round_acceptance(self, limit: int) -> torch.Tensor | None:
+        """f(c) of the first `limit` tokens of every active row's speculation [rows, limit]; None when the policy does
+        not condition on confidence or some row's are unknown (an n-gram or random backup's)."""
+        rows = self._confidence
+        if self.calibration is None or limit < 1 or not rows:
+            return None
+        if any(c is None or c.shape[0] < limit for c in rows):
+            return None
+        return self.calibration.acceptance(torch.stack([c[:limit].detach().float().cpu() for c in rows]))
+
+    def _seconds_now(self, k: int, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
+        """R(k) of this round in the way chosen: a serial round's verification on every core, then the next
+        speculation drafted (as long as serial rounds have drafted lately), else `round_seconds` (K = 0 as K = 1:
+        the target's step beside the draft)."""
+        if self._mode != SERIAL:
+            return self.round_seconds(max(k, 1), table)
+        verify = self.verify_seconds(0, table) if k == 0 else self.serial_verify_seconds(k, table, serial_table)
+        if verify is None:
+            return None
+        drafted = self.serial_length.value if self.serial_length.value is not None else self.k_max
+        return verify + drafted * (self.serial_token.value or 0.0) + max(self.overhead.value or 0.0, 0.0)
+
+    def stop_rule(self) -> StopRule | None:
+        """Where this round's just-in-time drafting (the serial speculation, a draft backup on a miss) stops: once no
+        row expects its next token to bring the tokens its time would bring at the speed chosen (`StopRule`: gain =
+        that speed x (seconds per drafted token + one more verified position)). None without a calibration or before
+        the draft's cost per token is measured: then it drafts the full length."""
+        if self.calibration is None or not self._rate:
+            return None
+        per_token = (self.serial_token if self.serial else self.backup_token).value
+        if per_token is None:
+            return None
+        table = self.serial_times() if self.serial else self.times()
+        several = sorted((k, t) for k, t in table.items() if k >= 1)
+        extra = 0.0
+        if len(several) >= 2:
+            (k0, t0), (k1, t1) = several[0], several[-1]
+            extra = max(0.0, (t1 - t0) / (k1 - k0))
+        gain = self._rate * (per_token + extra)
+        if self.trace:
+            self.trace[-1]["stop_gain"] = round(gain, 3)
+        return StopRule(tuple(self.calibration.table()), gain)
+
     def _record(self, k: int, speeds: dict | None, why: str, serial_speeds: dict | None = None) -> None:
         entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode,
                  "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
@@ -522,6 +602,8 @@ class LookaheadPolicy:
             entry["draft_ms"] = round(1e3 * (self.draft.value or 0.0), 2)
             entry["overhead_ms"] = round(1e3 * (self.overhead.value or 0.0), 2)
             entry["hit_rate"] = None if self.hit_rate.value is None else round(self.hit_rate.value, 3)
+        if self._confident_speeds:
+            entry["confident_tok_s"] = {n: round(v, 2) for n, v in self._confident_speeds.items()}
         if serial_speeds:
             table, serial = self.times(), self.serial_times()
             entry["serial_tok_s"] = {n: round(v, 2) for n, v in serial_speeds.items()}
@@ -540,13 +622,21 @@ class LookaheadPolicy:
         if n == 0 and all(row.speculation.tokens.shape[0] == 0 for row in rows):
             return
         self.acceptance.decay()
+        if self.calibration is not None:
+            self.calibration.forget()
         probs = None
         for i, row in enumerate(rows):
             accepted = verdict.accepted[i]
+            confidence = row.speculation.confidence
+            confidence = None if self.calibration is None or confidence is None else confidence.tolist()
             for j in range(accepted):
                 self.acceptance.add(j, 1.0)
+                if confidence is not None:
+                    self.calibration.add(confidence[j], 1.0)
             if accepted < n:
                 self.acceptance.add(accepted, 0.0)
+                if confidence is not None:
+                    self.calibration.add(confidence[accepted], 0.0)
                 continue
             spec = row.speculation  # everything verified was accepted: a free sample one position on
             if spec.tokens.shape[0] <= n:
@@ -561,6 +651,8 @@ class LookaheadPolicy:
                 q = spec.probs[n].to(probs.device, torch.float32)
                 sample = float(torch.minimum(probs[i], q).sum())
             self.acceptance.add(n, sample)
+            if confidence is not None:
+                self.calibration.add(confidence[n], sample)
             if n == 0:
                 self._last_free_sample = sample
 
@@ -598,6 +690,10 @@ class LookaheadPolicy:
             serial_now = timings.serial_seconds - previous.serial_seconds
             if tokens > 0:
                 self.serial_token.add(serial_now / tokens)
+                self.serial_length.add(tokens / max(timings.serial_calls - previous.serial_calls, 1))
+            backup_tokens = timings.backup_tokens - previous.backup_tokens
+            if backup_tokens > 0:
+                self.backup_token.add(backup_now / backup_tokens)
         if lookups:
             self.hit_rate.add(hits / lookups)
         if wall is not None:

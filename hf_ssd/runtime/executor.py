@@ -73,10 +73,11 @@ class DraftExecutor(ABC):
 
     @abstractmethod
     def resolve(self, accepted: list[int], bonus: list[int], verified: int, keep_rows: list[int], backup: str,
-                serial: int = 0):
+                serial: int = 0, stop=None):
         """Commit the outcomes; pending `list[Resolution]` for the rows in `keep_rows` (positions in the batch).
-        After a verification the draft sat out (`prepare` of depth 0), `serial` > 0 drafts that many tokens now,
-        on every core (the target waits for them)."""
+        After a verification the draft sat out (`prepare` of depth 0), `serial` > 0 drafts up to that many tokens
+        now, on every core (the target waits for them). Drafting just in time stops early where `stop` (a
+        `StopRule`; None: never) says."""
 
     @abstractmethod
     def timings(self):

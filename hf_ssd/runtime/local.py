@@ -110,7 +110,8 @@ class LocalExecutor(DraftExecutor):
     def announce(self, accepted, bonus) -> None:
         self.drafter.announce(list(zip(accepted, bonus)))
 
-    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial: int = 0) -> Future:
+    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial: int = 0, stop=None) -> Future:
+        args = (list(zip(accepted, bonus)), verified, keep_rows, backup, serial, stop)
         if serial and self.kind != "sync":  # the target waits for this speculation: every core drafts it
             threads = self.request.draft_threads + self.request.target_threads
 
@@ -118,8 +119,8 @@ class LocalExecutor(DraftExecutor):
                 with torch_threads(threads):
                     return self.drafter.resolve(*args)
 
-            return self._submit(on_all_cores, list(zip(accepted, bonus)), verified, keep_rows, backup, serial)
-        return self._submit(self.drafter.resolve, list(zip(accepted, bonus)), verified, keep_rows, backup, serial)
+            return self._submit(on_all_cores, *args)
+        return self._submit(self.drafter.resolve, *args)
 
     def timings(self):
         return dataclasses.replace(self.drafter.timings)

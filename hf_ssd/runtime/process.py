@@ -79,7 +79,8 @@ class ProcessExecutor(DraftExecutor):
         out = []
         for i, (source, hit, length) in enumerate(meta):
             probs = None if buffers.probs is None else buffers.probs[slot, i, :length]
-            speculation = Speculation(buffers.tokens[slot, i, :length], probs, wire.source_name(source))
+            speculation = Speculation(buffers.tokens[slot, i, :length], probs, wire.source_name(source),
+                                      confidence=buffers.confidence[slot, i, :length])
             out.append(Resolution(speculation, bool(hit), looked_up=speculation.source not in NOT_LOOKED_UP))
         return out
 
@@ -112,21 +113,24 @@ class ProcessExecutor(DraftExecutor):
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
         self.worker.control[wire.ANNOUNCED] = wire.announcement(self.generation, self.round)
 
-    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial=0):
+    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial=0, stop=None):
         n = len(accepted)
         self.buffers.outcomes[:n, 0] = torch.tensor(accepted)
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
         self.buffers.keep[: len(keep_rows)] = torch.tensor(keep_rows, dtype=torch.long)
         self.slot ^= 1
         slot, count = self.slot, len(keep_rows)
+        self.buffers.stop_rule.zero_()
+        if stop is not None:
+            self.buffers.stop_rule.copy_(torch.tensor(stop.to_list(), dtype=torch.float64))
         seq = self._send(wire.RESOLVE, verified, wire.BACKUPS.index(backup), count, d=serial)
         return _Pending(self, seq, lambda: self._speculations(slot, count))
 
     def timings(self) -> DraftTimings:
-        calls, seconds, backup_calls, backup_seconds, serial_calls, serial_seconds, serial_tokens, _ = (
+        calls, seconds, backup_calls, backup_seconds, serial_calls, serial_seconds, serial_tokens, backup_tokens, _ = (
             self.buffers.stats.tolist())
         return DraftTimings(int(calls), seconds, int(backup_calls), backup_seconds, int(serial_calls), serial_seconds,
-                            int(serial_tokens))
+                            int(serial_tokens), int(backup_tokens))
 
     def finish(self):
         self._stop_in_flight()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.speculation_cache import SOURCES
+from ..generation.confidence import EDGES
 
 # Requests: header (op, generation, a, b, c, d), some followed by one pickled payload.
 LOAD, FORGET, BEGIN, PREPARE, RESOLVE, FINISH, CLOSE = range(1, 8)
@@ -25,8 +26,9 @@ REPLY = struct.Struct("<4q")
 
 BACKUPS = ("draft", "ngram", "random")  # backup codes in a RESOLVE request
 # `RoundBuffers.stats`: the drafter's `DraftTimings` (prepare calls, seconds; backup calls, seconds; serial calls,
-# seconds, tokens) and the worker's busy seconds
-STATS = 8
+# seconds, tokens; backup tokens) and the worker's busy seconds
+STATS = 9
+STOP_RULE_SIZE = 1 + len(EDGES) + 1  # gain, then f per confidence bin
 
 # The worker's control block, written by the parent between pipe messages and read by the worker between forwards.
 CANCELLED_GENERATION = 0  # the generation whose work must stop
@@ -48,17 +50,20 @@ class RoundBuffers:
 
     `outcomes` [rows, 2] (accepted, bonus) and `keep` [rows] (batch positions staying) go to the worker; the
     speculations come back double-buffered by round parity, so the ones being verified stay intact while the next
-    ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V] (sampling only), `meta` [2, rows, 3]
-    (source code, hit, length: a speculation may be shorter than K). `stats` holds the drafter's running
-    `DraftTimings` and busy seconds (`STATS`).
+    ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V] (sampling only), `confidence` [2, rows, K]
+    (the draft's, see `Speculation`), `meta` [2, rows, 3] (source code, hit, length: a speculation may be shorter
+    than K). `stop_rule` holds the `StopRule` of the next RESOLVE (`StopRule.to_list`; gain 0: none). `stats` holds
+    the drafter's running `DraftTimings` and busy seconds (`STATS`).
     """
 
     outcomes: torch.Tensor
     keep: torch.Tensor
     tokens: torch.Tensor
     probs: torch.Tensor | None
+    confidence: torch.Tensor
     meta: torch.Tensor
     stats: torch.Tensor
+    stop_rule: torch.Tensor
 
     @classmethod
     def allocate(cls, rows: int, lookahead: int, vocab_size: int | None, device: torch.device) -> RoundBuffers:
@@ -75,7 +80,9 @@ class RoundBuffers:
             outcomes=host(rows, 2), keep=host(rows),
             tokens=on_device(2, rows, lookahead, dtype=torch.long),
             probs=None if vocab_size is None else on_device(2, rows, lookahead, vocab_size, dtype=torch.float32),
+            confidence=host(2, rows, lookahead, dtype=torch.float32),
             meta=host(2, rows, 3), stats=host(STATS, dtype=torch.float64),
+            stop_rule=host(STOP_RULE_SIZE, dtype=torch.float64),
         )
 
     def fits(self, rows: int, lookahead: int, vocab_size: int | None, device: torch.device) -> bool:

@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..generation.confidence import StopRule
 from . import wire
 from .executor import DraftCancelled
 
@@ -147,7 +148,8 @@ class _Server:
         if serial:  # the target waits for this speculation: every core of this generation drafts it
             torch.set_num_threads(session.threads)
         try:
-            resolutions = drafter.resolve(outcomes, verified, keep_rows, backup, serial)
+            stop = StopRule.from_list(buffers.stop_rule.tolist())
+            resolutions = drafter.resolve(outcomes, verified, keep_rows, backup, serial, stop)
         finally:
             if serial:
                 torch.set_num_threads(session.draft_threads)
@@ -161,13 +163,15 @@ class _Server:
             buffers.tokens[slot, i, :length] = spec.tokens
             if buffers.probs is not None and length:
                 buffers.probs[slot, i, :length] = spec.probs
+            if spec.confidence is not None and length:
+                buffers.confidence[slot, i, :length] = spec.confidence
             buffers.meta[slot, i] = torch.tensor([wire.source_code(spec.source), int(hit), length])
 
     def _publish(self, session: _Session) -> None:
         t = session.drafter.timings
         session.buffers.stats.copy_(torch.tensor(
             [t.prepare_calls, t.prepare_seconds, t.backup_calls, t.backup_seconds, t.serial_calls, t.serial_seconds,
-             t.serial_tokens, session.busy], dtype=torch.float64
+             t.serial_tokens, t.backup_tokens, session.busy], dtype=torch.float64
         ))
 
     def _check(self, generation: int) -> None:

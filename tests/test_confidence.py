@@ -1,0 +1,272 @@
+"""The draft's confidence: its calibration against acceptance, this round's K from the speculation in hand, where
+just-in-time drafting stops, and losslessness when speculations stop early (greedy across executors and a batch,
+the sampling law with a negative control)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_pair
+from test_lookahead import _script, batch_greedy_runs, law_models  # noqa: F401  (law_models: a fixture)
+from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, WARPED, exact_law, law_pvalues, ssd_samples
+
+from hf_ssd import SSDConfig
+from hf_ssd.generation.confidence import (
+    EDGES,
+    ConfidenceCalibration,
+    StopRule,
+    bin_of,
+    expected_tokens_per_row,
+)
+from hf_ssd.generation.lookahead import FLAT_SHAPE, LookaheadPolicy, _Ema
+
+# --- the calibration and the stop rule, on tensors -------------------------------------------------------------
+
+
+def test_bins_cover_zero_to_one():
+    c = torch.tensor([0.0, 0.05, 0.1, 0.5, 0.9, 0.97, 0.99, 1.0])
+    assert bin_of(c).tolist() == [0, 0, 1, 5, 9, 10, 11, 11]
+    assert int(bin_of(torch.tensor([1.0]))[0]) == len(EDGES)
+
+
+def test_calibration_starts_at_the_confidence_and_learns_the_pair():
+    cal = ConfidenceCalibration()
+    f = cal.acceptance(torch.tensor([0.05, 0.55, 0.99]))
+    assert f.tolist() == pytest.approx([0.05, 0.55, 0.99], abs=1e-6)  # the prior: a calibrated draft
+    for _ in range(40):  # an over-confident draft: its sure tokens are accepted half the time
+        cal.add(0.99, 1.0)
+        cal.add(0.99, 0.0)
+    assert float(cal.acceptance(torch.tensor([0.99]))[0]) == pytest.approx(0.5, abs=0.05)
+    assert cal.samples == 80
+
+
+def test_calibration_is_non_decreasing_in_confidence():
+    cal = ConfidenceCalibration(prior_weight=0.1)
+    for _ in range(20):
+        cal.add(0.35, 1.0)  # a lucky middle bin
+        cal.add(0.75, 0.0)  # an unlucky upper one
+    table = cal.table()
+    assert all(a <= b + 1e-12 for a, b in zip(table, table[1:]))
+    assert table[3] == pytest.approx(table[7])  # pooled across the violation
+
+
+def test_forgetting_lets_the_calibration_follow_the_text():
+    cal = ConfidenceCalibration(decay=0.5)
+    for _ in range(10):
+        cal.add(0.95, 0.0)
+    for _ in range(10):
+        cal.forget()
+        cal.add(0.95, 1.0)
+    assert float(cal.acceptance(torch.tensor([0.95]))[0]) > 0.9
+
+
+def test_expected_tokens_per_row():
+    e = expected_tokens_per_row(torch.tensor([[1.0, 0.5, 0.5], [0.0, 1.0, 1.0]]))
+    assert e.tolist() == [[1.0, 2.0, 2.5, 2.75], [1.0, 1.0, 1.0, 1.0]]
+
+
+GAINS = {1: 2.0, 2: 0.6, 3: 0.5}  # with f = 0.8 everywhere: reach x f falls 0.64, 0.51, 0.41 token after token
+
+
+def _drafted(rule: StopRule, length: int, confidence: float = 0.5) -> int:
+    """Tokens drafted under `rule` (at most `length`), as `_draft_just_in_time` drafts them."""
+    reach, rows = torch.ones(2), torch.tensor([True, False])
+    for i in range(length):
+        if i + 1 < length:
+            going, reach = rule.keeps_going(reach, torch.full((2,), confidence), rows)
+            if not going:
+                return i + 1
+    return length
+
+
+def test_stop_rule_drafts_while_the_next_token_pays():
+    table = (0.8,) * (len(EDGES) + 1)
+    for n, gain in GAINS.items():
+        assert _drafted(StopRule(table, gain), 4) == n
+    assert _drafted(StopRule(table, 1e-6), 4) == 4
+    # f rises with confidence: a sure draft goes deeper than a hesitant one under the same gain
+    rising = tuple(min(1.0, 0.05 + 0.1 * b) for b in range(len(EDGES) + 1))
+    assert _drafted(StopRule(rising, 0.3), 4, confidence=0.99) == 4
+    assert _drafted(StopRule(rising, 0.3), 4, confidence=0.3) == 1
+
+
+def test_stop_rule_crosses_processes_as_a_list():
+    rule = StopRule(tuple(float(i) / 12 for i in range(len(EDGES) + 1)), 0.25)
+    assert StopRule.from_list(rule.to_list()) == rule
+    assert StopRule.from_list([0.0] * (len(EDGES) + 2)) is None  # gain 0: no rule
+
+
+# --- this round's K from the speculation in hand -------------------------------------------------------------------
+
+
+def _measured_policy(**kwargs) -> LookaheadPolicy:
+    """A concurrent policy past its first rounds, with a flat verification curve measured for every K."""
+    policy = LookaheadPolicy(3, True, 0.7, concurrent=True, cost_shape=FLAT_SHAPE, **kwargs)
+    policy._rounds = 5
+    for k in range(4):
+        policy.verify[k] = _Ema(0.7)
+        policy.verify[k].add(0.100 + 0.01 * k)
+    policy.draft.add(0.05)
+    policy.overhead.add(0.0)
+    policy.hit_rate.add(1.0)
+    return policy
+
+
+def test_the_round_verifies_as_deep_as_its_confidences_pay():
+    policy = _measured_policy(confidence=True)
+    assert policy.choose(3, confidence=[torch.tensor([0.99, 0.99, 0.01])]) == 2
+    entry = policy.trace[-1]
+    assert entry["tok_s"][3] > entry["tok_s"][2]  # the average acceptance alone would verify all three
+    assert entry["confident_tok_s"][2] > entry["confident_tok_s"][3]
+    # a hesitant first token: one position (a step beside the working draft costs no less)
+    assert policy.choose(3, confidence=[torch.tensor([0.02, 0.99, 0.99])]) == 1
+    # a batch: one K for every row, the rows' expected tokens averaged
+    assert policy.choose(3, rows=2, confidence=[torch.tensor([0.99, 0.99, 0.99]),
+                                                torch.tensor([0.99, 0.99, 0.01])]) == 3
+
+
+def test_without_confidences_the_average_decides():
+    for policy, confidence in ((_measured_policy(confidence=False), [torch.tensor([0.99, 0.99, 0.01])]),
+                               (_measured_policy(confidence=True), [None])):  # an n-gram backup's speculation
+        assert policy.choose(3, confidence=confidence) == 3
+        assert "confident_tok_s" not in policy.trace[-1]
+
+
+def test_the_policy_learns_its_calibration_from_verifications():
+    from types import SimpleNamespace
+
+    policy = _measured_policy(confidence=True)
+    spec = SimpleNamespace(tokens=torch.tensor([5, 6, 7]), probs=None, confidence=torch.tensor([0.99, 0.99, 0.5]))
+    scores = torch.zeros(1, 3, 8)
+    scores[0, 2, 7] = 5.0  # the target would take s_3: a free sample one position beyond the two verified
+    for _ in range(30):  # sure tokens rejected at the first position
+        policy.observe_verification([SimpleNamespace(speculation=spec)],
+                                    SimpleNamespace(verified=2, accepted=[0], scores=scores))
+    # from 0.99 (the prior) to well below; pooled with the bins under it, still at their priors (non-decreasing fit)
+    assert float(policy.calibration.acceptance(torch.tensor([0.99]))[0]) < 0.4
+    for _ in range(30):
+        policy.observe_verification([SimpleNamespace(speculation=spec)],
+                                    SimpleNamespace(verified=2, accepted=[2], scores=scores))
+    assert float(policy.calibration.acceptance(torch.tensor([0.5]))[0]) > 0.6  # the free samples at c = 0.5
+
+
+def test_stop_rule_prices_a_drafted_token_at_the_chosen_speed():
+    policy = _measured_policy(confidence=True)
+    assert policy.stop_rule() is None  # nothing chosen yet
+    policy.choose(3, confidence=[torch.tensor([0.99, 0.99, 0.99])])
+    assert policy.stop_rule() is None  # no backup token timed yet: the backup drafts the full depth
+    policy.backup_token.add(0.02)
+    rule = policy.stop_rule()
+    assert rule.gain == pytest.approx(policy._rate * (0.02 + 0.01), rel=1e-6)  # + one more verified position
+    assert policy.trace[-1]["stop_gain"] == pytest.approx(rule.gain, abs=1e-3)
+    assert _measured_policy(confidence=False).stop_rule() is None
+
+
+# --- losslessness when speculations stop early -------------------------------------------------------------------
+
+STOP_GAINS = [GAINS[1], GAINS[2], 1e-6, GAINS[3]]  # 1, 2, all, 3 tokens
+
+
+def _script_stops(monkeypatch, gains):
+    """Just-in-time drafting stops as `gains` say, round after round (f = 0.8 for every confidence)."""
+    table = (0.8,) * (len(EDGES) + 1)
+    cycle = itertools.cycle(gains)
+
+    def stop_rule(self):
+        return StopRule(table, next(cycle))
+
+    monkeypatch.setattr(LookaheadPolicy, "stop_rule", stop_rule)
+
+
+# serial rounds asking for 3 tokens and concurrent ones of depth 3 (an unrelated draft misses: the backup drafts)
+STOP_SCRIPT = [(0, 0, 3), (3, 0, 3), (3, 3), (3, 3), (3, 0, 3), (1, 3), (3, 3), (3, 0, 3)]
+
+
+def _early_stops(metrics, k_max=3) -> int:
+    """Rounds that could verify fewer than K tokens though nothing but the drafting capped them (the last rounds
+    excepted: max_length caps them too)."""
+    return sum(0 < entry["limit"] < k_max for entry in metrics.lookahead_decisions[1:-2])
+
+
+@pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
+def test_greedy_identical_when_speculations_stop_early(monkeypatch, arch, executor):
+    _script(monkeypatch, STOP_SCRIPT)
+    _script_stops(monkeypatch, STOP_GAINS)
+    target, random_draft = tiny_pair(arch, seed=130)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(13))
+    expected = target.generate(ids, max_new_tokens=33, do_sample=False)
+    for draft in (target, random_draft):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=33, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected), (arch, executor)
+        m = target.ssd_metrics
+        assert _early_stops(m) >= 2, m.lookahead_decisions
+        if draft is random_draft:
+            assert m.rounds_by_source.get("draft", 0) >= 1  # backups drafted just in time (under the stop rule)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_batch_greedy_identical_when_speculations_stop_early(monkeypatch, executor):
+    _script(monkeypatch, STOP_SCRIPT)
+    _script_stops(monkeypatch, STOP_GAINS)
+    for metrics in batch_greedy_runs(73, 10, 23, SSDConfig(lookahead=3, executor=executor)):
+        assert _early_stops(metrics) >= 1
+
+
+def test_greedy_identical_under_the_learnt_confidence_policy():
+    """Unscripted: the default policy, its calibration and stop rule deciding, on a pair that agrees often."""
+    target, _ = tiny_pair("llama", seed=131)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(14))
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    out = target.generate(ids, assistant_model=target, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                          ssd_config=SSDConfig(lookahead=4, executor="sync"))
+    assert torch.equal(out, expected)
+    assert any("confident_tok_s" in e for e in target.ssd_metrics.lookahead_decisions)
+
+
+# 4 new tokens: a plain step into a serial round asking for 3 (stopping after 1, 2, all or 3), another, a concurrent
+# round
+LAW_STOP_SCRIPT = [(0, 0, 3), (2, 0, 3), (3, 3)]
+
+
+@pytest.mark.parametrize("draft, c, executor, sampling", [
+    pytest.param("random", 0.3, "sync", TEMPERATURE, id="rand-C0.3-sync"),
+    pytest.param("self", 1.0, "process", WARPED, id="self-C1-process-warped"),
+])
+def test_sampling_law_when_speculations_stop_early(monkeypatch, law_models, draft, c, executor,  # noqa: F811
+                                                    sampling):
+    _script(monkeypatch, LAW_STOP_SCRIPT)
+    _script_stops(monkeypatch, STOP_GAINS)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=c, backup="draft", executor=executor)
+    counts, hits, misses = ssd_samples(target, law_models[draft], config, sampling, seed=131)
+    pvalues = law_pvalues(exact_law(target, sampling), counts)
+    print(f"p-values {pvalues}, hits {hits}, misses {misses}")
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+def test_negative_control_q_shifted_when_drafting_stops_early(monkeypatch, law_models):  # noqa: F811
+    """Power check: speculations that stopped early handed over with q shifted by one position (C = 0.3, so the
+    positions' q differ) are rejected by the same harness."""
+    from hf_ssd.generation.candidate_generator import SaguaroCandidateGenerator
+
+    _script(monkeypatch, LAW_STOP_SCRIPT)
+    _script_stops(monkeypatch, [GAINS[2]])  # two tokens of the three asked for
+    original = SaguaroCandidateGenerator._draft_just_in_time
+
+    def shifted(self, missed, length, phase, first=None, stop=None):
+        tokens, probs, tops, confidence = original(self, missed, length, phase, first, stop)
+        if probs is not None and tokens.shape[1] < length:
+            probs = torch.cat([probs[:, 1:], probs[:, :1]], dim=1)
+        return tokens, probs, tops, confidence
+
+    monkeypatch.setattr(SaguaroCandidateGenerator, "_draft_just_in_time", shifted)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync")
+    counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=132, samples=SAMPLES)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"negative control p-values {pvalues}")
+    assert min(pvalues.values()) < REJECT, pvalues
