@@ -20,7 +20,8 @@ from hf_ssd.generation.confidence import (
     bin_of,
     expected_tokens_per_row,
 )
-from hf_ssd.generation.lookahead import FLAT_SHAPE, LookaheadPolicy, _Ema
+from hf_ssd.generation.estimates import _Ema
+from hf_ssd.generation.lookahead import FLAT_SHAPE, LookaheadPolicy
 
 # --- the calibration and the stop rule, on tensors -------------------------------------------------------------
 

@@ -24,9 +24,11 @@ from test_sampling_law import (
 )
 
 from hf_ssd import SSDConfig, enable_ssd
+from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation.candidate_generator import DraftTimings
-from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE, LookaheadPolicy, expected_tokens
+from hf_ssd.generation.estimates import expected_tokens
+from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE, LookaheadPolicy
 
 # --- the policy, on synthetic rounds ---------------------------------------------------------------------------
 
@@ -119,7 +121,7 @@ def test_policy_explores_an_unmeasured_k_that_might_be_better(clock):
 
 def _measured(policy, times: dict[int, float]) -> None:
     for k, seconds in times.items():
-        policy.verify[k] = lookahead_module._Ema(0.5)
+        policy.verify[k] = estimates_module._Ema(0.5)
         policy.verify[k].add(seconds)
 
 
@@ -291,7 +293,7 @@ def test_speculation_must_beat_plain_steps_by_a_margin(clock):
     policy._rounds = 3
     policy.acceptance.reached = [100.0] * 4
     policy.acceptance.passed = [75.0, 40.0, 10.0, 1.0]  # E(3) = 1 + .75 + .3 + .03 = 2.08: 1.04x plain's speed
-    speeds = {k: lookahead_module.expected_tokens(policy.acceptance.estimates(), k) / policy.round_seconds(k)
+    speeds = {k: estimates_module.expected_tokens(policy.acceptance.estimates(), k) / policy.round_seconds(k)
               for k in range(4)}
     assert 1.0 < max(speeds.values()) / speeds[0] < lookahead_module.SPECULATE_MARGIN
     assert policy.choose(3) == 0 and policy.trace[-1]["why"] == "best"
@@ -307,7 +309,7 @@ def test_returning_from_plain_steps_asks_for_a_larger_gain(clock):
     policy._rounds = 3
     policy.acceptance.reached = [100.0] * 4
     policy.acceptance.passed = [75.0, 50.0, 30.0, 1.0]  # E(3) = 1 + .75 + .38 + .11: 1.12x plain's speed
-    speeds = {k: lookahead_module.expected_tokens(policy.acceptance.estimates(), k) / policy.round_seconds(k)
+    speeds = {k: estimates_module.expected_tokens(policy.acceptance.estimates(), k) / policy.round_seconds(k)
               for k in range(4)}
     assert lookahead_module.SPECULATE_MARGIN < max(speeds.values()) / speeds[0] < lookahead_module.RESUME_MARGIN
     assert policy.choose(3) == 3  # speculating (the first decision follows the first round, K_max)
@@ -318,7 +320,7 @@ def test_returning_from_plain_steps_asks_for_a_larger_gain(clock):
 def test_unreached_positions_revert_to_the_pooled_acceptance():
     """A deep position not reached for a while (plain steps and probes only sample a_1) shrinks to what this pair
     has shown at every position, not to the configured prior."""
-    tracker = lookahead_module.AcceptanceTracker(5, prior=0.7)
+    tracker = estimates_module.AcceptanceTracker(5, prior=0.7)
     for _ in range(20):
         tracker.add(0, 1.0)
         tracker.add(1, 0.0)
@@ -332,7 +334,7 @@ def test_a_later_call_remembers_the_cost_curve(clock):
     """Costs timed in one call on a target serve the next (same executor, threads and rows), scaled by what the
     new call measures: no K already timed is explored again, the second round decides from them rather than the
     prior shape, and the draft's pooled acceptance becomes the next call's prior."""
-    memory = lookahead_module.LookaheadMemory()
+    memory = estimates_module.LookaheadMemory()
     first = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, memory=memory,
                             setting=("thread", 1), draft_key=7)
     cost = dict(verify_ms=lambda k: 10.0 if k == 0 else 24.0 + k, clock=clock)
@@ -358,7 +360,7 @@ def test_a_later_call_remembers_the_cost_curve(clock):
 def test_a_close_remembered_cost_is_timed_again(clock):
     """A K timed only in an earlier call (at another context, where the cost curve's steps may lie elsewhere) whose
     remembered speed comes within 10 % of the best is timed once in this call; then its own measurement decides."""
-    memory = lookahead_module.LookaheadMemory()
+    memory = estimates_module.LookaheadMemory()
     for k, seconds in {0: 0.25, 1: 0.335, 2: 0.335, 3: 0.51, 4: 0.52}.items():
         memory.record(("thread", 1, 1), k, seconds)
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.95, concurrent=True, memory=memory,

@@ -1,0 +1,88 @@
+"""What the lookahead policy estimates from a run and remembers across runs: acceptance per draft position
+(`AcceptanceTracker`), verification times per K and each draft's pooled acceptance per target (`LookaheadMemory`),
+decayed means (`_Ema`), and E(K), the tokens a round verifying K draft tokens yields (`expected_tokens`)."""
+
+from __future__ import annotations
+
+import weakref
+
+DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
+COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E(k) = 1 + Σ_{i<=k} Π_{j<=i} a_j: tokens per round verifying k draft tokens (the bonus included)."""
+    total, reach = 1.0, 1.0
+    for a in acceptance[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+class _Ema:
+    def __init__(self, decay: float):
+        self.decay, self.value = decay, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+
+class AcceptanceTracker:
+    """Per draft position j = 1..K_max+1: decayed counts of (reached, accepted). Each estimate shrinks to the run's
+    pooled acceptance (every sample at every position, no forgetting), itself shrunk to `prior`: a position not
+    reached for a while (deep ones, while plain steps or probes only measure a_1) reverts to what this pair has
+    shown, not to a fixed guess."""
+
+    def __init__(self, positions: int, prior: float, prior_weight: float = 1.0, pooled_weight: float = 2.0):
+        self.reached = [0.0] * positions
+        self.passed = [0.0] * positions
+        self.prior, self.prior_weight, self.pooled_weight = prior, prior_weight, pooled_weight
+        self.pooled_reached = self.pooled_passed = 0.0
+
+    def decay(self) -> None:
+        self.reached = [DECAY * r for r in self.reached]
+        self.passed = [DECAY * p for p in self.passed]
+
+    def add(self, position: int, accepted: float) -> None:
+        """`accepted` is 0/1 (a verified token) or a probability (a free sample under sampling)."""
+        if position < len(self.reached):
+            self.reached[position] += 1.0
+            self.passed[position] += accepted
+            self.pooled_reached += 1.0
+            self.pooled_passed += accepted
+
+    def pooled(self) -> float:
+        w = self.pooled_weight
+        return (self.pooled_passed + self.prior * w) / (self.pooled_reached + w)
+
+    def estimates(self) -> list[float]:
+        w, prior = self.prior_weight, self.pooled()
+        return [(p + prior * w) / (r + w) for p, r in zip(self.passed, self.reached)]
+
+
+class LookaheadMemory:
+    """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time
+    per K for each setting (concurrent draft or not, target threads, active rows) and each draft's pooled
+    acceptance. A new call scales the remembered times by what it has measured itself (context and machine load
+    move them all), and does not explore a K already timed. Kept beside the target model (weakly: it goes with
+    the model)."""
+
+    _by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self):
+        self.verify: dict[tuple, dict[int, float]] = {}
+        self.acceptance: dict[int, float] = {}
+
+    @classmethod
+    def of(cls, model) -> LookaheadMemory:
+        try:
+            return cls._by_model.setdefault(model, cls())
+        except TypeError:  # not weakly referable: nothing is remembered
+            return cls()
+
+    def times(self, setting: tuple) -> dict[int, float]:
+        return self.verify.get(setting, {})
+
+    def record(self, setting: tuple, k: int, seconds: float) -> None:
+        times = self.verify.setdefault(setting, {})
+        times[k] = seconds if k not in times else COST_DECAY * times[k] + (1 - COST_DECAY) * seconds
