@@ -271,3 +271,38 @@ def test_negative_control_q_shifted_when_drafting_stops_early(monkeypatch, law_m
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
     print(f"negative control p-values {pvalues}")
     assert min(pvalues.values()) < REJECT, pvalues
+
+
+@pytest.mark.parametrize("executor", ["sync", "process"])
+def test_confidences_arrive_where_known_and_only_there(monkeypatch, executor):
+    """Drafted tokens come with their confidences (a value in (0, 1] each); a fast backup's with none, never a stale
+    buffer's; none at all when the policy does not use them."""
+    seen = []
+    original = LookaheadPolicy.observe_verification
+
+    def record(self, rows, verdict):
+        for row in rows:
+            spec = row.speculation
+            if spec.tokens.shape[0]:
+                seen.append((spec.source, None if spec.confidence is None else spec.confidence.tolist(),
+                             spec.tokens.shape[0]))
+        return original(self, rows, verdict)
+
+    monkeypatch.setattr(LookaheadPolicy, "observe_verification", record)
+    target, random_draft = tiny_pair("llama", seed=132)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(15))
+    for draft, backup in ((target, "draft"), (random_draft, "ngram")):
+        for tracked in (True, False):
+            seen.clear()
+            target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False,
+                            ssd_config=SSDConfig(lookahead=3, backup=backup, executor=executor,
+                                                 draft_confidence=tracked, lookahead_schedule="constant"
+                                                 if not tracked else "adaptive"))
+            assert seen
+            for source, confidence, length in seen:
+                if not tracked or source in ("ngram", "random"):
+                    assert confidence is None, (source, confidence)
+                else:
+                    assert len(confidence) == length and all(0.0 < c <= 1.0 for c in confidence), (source, confidence)
+            if backup == "ngram" and tracked:
+                assert any(source == "ngram" for source, _, _ in seen)

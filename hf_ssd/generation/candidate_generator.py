@@ -136,6 +136,9 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # the lookahead policy conditions on the draft's confidence only with the adaptive schedule (greedy decoding
+        # pays a softmax over the vocabulary per drafted token for it)
+        self.track_confidence = ssd_config.draft_confidence and ssd_config.lookahead_schedule == "adaptive"
         self.check = check or (lambda: None)
         self._announced = announced
         self.backup = "draft" if ssd_config.backup == "auto" else ssd_config.backup
@@ -166,18 +169,21 @@ class SaguaroCandidateGenerator(CandidateGenerator):
 
     # --- sampling ---------------------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, saguaro_top: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Tokens [...], q [..., V] when sampling (else None) and the draft's confidence in each token [...] (its top
-        probability under greedy decoding, q of the token when sampling) from draft logits [..., V]."""
+        probability under greedy decoding, q of the token when sampling; None when not tracked) from draft logits
+        [..., V]."""
         if not self.do_sample:
             top = logits.max(dim=-1)
+            if not self.track_confidence:
+                return top.indices, None, None
             confidence = (top.values.float() - logits.float().logsumexp(dim=-1)).exp()
             return top.indices, None, confidence
         probs = draft_probs(logits.reshape(-1, logits.shape[-1]), self.warpers, saguaro_top, self.config.saguaro_c)
         tokens = torch.multinomial(probs, 1, generator=self.generator)
-        confidence = probs.gather(-1, tokens).squeeze(-1)
         shape = logits.shape[:-1]
-        return tokens.squeeze(-1).reshape(shape), probs.reshape(logits.shape), confidence.reshape(shape)
+        confidence = probs.gather(-1, tokens).reshape(shape) if self.track_confidence else None
+        return tokens.squeeze(-1).reshape(shape), probs.reshape(logits.shape), confidence
 
     def _saguaro_top(self, kind: str, position: int) -> int:
         """Candidates to down-weight at speculation position `position` (1-based): F_{position-1} plus the draft,
@@ -266,7 +272,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
 
         The other rows ride along as invisible dummies (one forward serves the whole batch). The real rows' KV stays
         in the cache and their top tokens travel with the speculation, so the next glue forward only has to run
-        the last drafted token. Returns tokens [b, n], q [b, n, V] or None, row_top [b, n, W], confidence [b, n].
+        the last drafted token. Returns tokens [b, n], q [b, n, V] or None, row_top [b, n, W], confidence [b, n] (or
+        None when not tracked).
         """
         token = self.t_prev.clone()
         tokens, probs, tops, confidences = [], [], [], []
@@ -284,12 +291,13 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             tokens.append(token)
             probs.append(q)
             confidences.append(confidence)
-            if stop is not None and i + 1 < length:
+            if stop is not None and confidence is not None and i + 1 < length:
                 going, reach = stop.keeps_going(reach, confidence, missed)
                 if not going:
                     break
         stacked = torch.stack(probs, dim=1) if self.do_sample else None
-        return torch.stack(tokens, dim=1), stacked, torch.stack(tops, dim=1), torch.stack(confidences, dim=1)
+        confidence = torch.stack(confidences, dim=1) if confidences[0] is not None else None
+        return torch.stack(tokens, dim=1), stacked, torch.stack(tops, dim=1), confidence
 
     def _backup_speculations(self, rows: list[int], backup: str, length: int, phase: str = "backup",
                              stop: StopRule | None = None) -> None:
@@ -304,7 +312,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             tokens, probs, tops, confidence = self._draft_just_in_time(missed, length, phase, stop=stop)
             for r in rows:
                 self.speculations[r] = Speculation(
-                    tokens[r], None if probs is None else probs[r], "draft", row_top=tops[r], confidence=confidence[r]
+                    tokens[r], None if probs is None else probs[r], "draft", row_top=tops[r],
+                    confidence=None if confidence is None else confidence[r],
                 )
             self.timings.backup_seconds += time.perf_counter() - started
             self.timings.backup_calls += 1
@@ -402,7 +411,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         tokens = torch.empty(rows, branches, k, dtype=torch.long, device=self.device)
         tops = torch.empty(rows, branches, k, row_top.shape[-1], dtype=torch.long, device=self.device)
         probs = torch.empty(rows, branches, k, self.vocab_size, device=self.device) if self.do_sample else None
-        confidence = torch.empty(rows, branches, k, device=self.device)
+        confidence = torch.empty(rows, branches, k, device=self.device) if self.track_confidence else None
         try:
             for step in range(1, k + 1):
                 self.check()
@@ -414,8 +423,10 @@ class SaguaroCandidateGenerator(CandidateGenerator):
                 step_logits = self.cache.forward(current, tree_step_positions(self.glue_start, forks, step), visible,
                                                  phase="tree")
                 tops[:, :, step - 1] = self._top(step_logits)
-                current, q, confidence[:, :, step - 1] = self._sample(step_logits, self._saguaro_top("hit", step))
+                current, q, sure = self._sample(step_logits, self._saguaro_top("hit", step))
                 tokens[:, :, step - 1] = current
+                if confidence is not None:
+                    confidence[:, :, step - 1] = sure
                 if probs is not None:
                     probs[:, :, step - 1] = q
             # Branch β's tree slots hold [candidate, s'_1..s'_{K-1}]: exactly the next glue's first K tokens.
@@ -426,7 +437,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             self.spec_cache = SpeculationCache(
                 row_ids.reshape(flat), forks.reshape(flat), candidates.reshape(flat), tokens.reshape(flat, k),
                 None if probs is None else probs.reshape(flat, k, -1), tops.reshape(flat, k, -1),
-                slots.repeat(rows, 1), usable.reshape(flat), confidence.reshape(flat, k),
+                slots.repeat(rows, 1), usable.reshape(flat),
+                None if confidence is None else confidence.reshape(flat, k),
             )
         finally:
             self.timings.prepare_seconds += time.perf_counter() - started
@@ -538,7 +550,8 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         tokens, probs, tops, confidence = self._draft_just_in_time(every, serial, "serial", first=first,
                                                                    stop=stop)
         self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i],
-                                         confidence=confidence[i]) for i in range(len(keep_rows))]
+                                         confidence=None if confidence is None else confidence[i])
+                             for i in range(len(keep_rows))]
         self.timings.serial_calls += 1
         self.timings.serial_tokens += tokens.shape[1]
         self.timings.serial_seconds += time.perf_counter() - started

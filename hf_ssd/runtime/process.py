@@ -79,8 +79,10 @@ class ProcessExecutor(DraftExecutor):
         out = []
         for i, (source, hit, length) in enumerate(meta):
             probs = None if buffers.probs is None else buffers.probs[slot, i, :length]
+            confidence = buffers.confidence[slot, i, :length]
+            known = length > 0 and not bool(confidence[0].isnan())
             speculation = Speculation(buffers.tokens[slot, i, :length], probs, wire.source_name(source),
-                                      confidence=buffers.confidence[slot, i, :length])
+                                      confidence=confidence if known else None)
             out.append(Resolution(speculation, bool(hit), looked_up=speculation.source not in NOT_LOOKED_UP))
         return out
 

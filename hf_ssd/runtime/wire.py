@@ -51,9 +51,9 @@ class RoundBuffers:
     `outcomes` [rows, 2] (accepted, bonus) and `keep` [rows] (batch positions staying) go to the worker; the
     speculations come back double-buffered by round parity, so the ones being verified stay intact while the next
     ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V] (sampling only), `confidence` [2, rows, K]
-    (the draft's, see `Speculation`), `meta` [2, rows, 3] (source code, hit, length: a speculation may be shorter
-    than K). `stop_rule` holds the `StopRule` of the next RESOLVE (`StopRule.to_list`; gain 0: none). `stats` holds
-    the drafter's running `DraftTimings` and busy seconds (`STATS`).
+    (the draft's, see `Speculation`; NaN: unknown), `meta` [2, rows, 3] (source code, hit, length: a speculation may
+    be shorter than K). `stop_rule` holds the `StopRule` of the next RESOLVE (`StopRule.to_list`; gain 0: none).
+    `stats` holds the drafter's running `DraftTimings` and busy seconds (`STATS`).
     """
 
     outcomes: torch.Tensor

@@ -163,8 +163,8 @@ class _Server:
             buffers.tokens[slot, i, :length] = spec.tokens
             if buffers.probs is not None and length:
                 buffers.probs[slot, i, :length] = spec.probs
-            if spec.confidence is not None and length:
-                buffers.confidence[slot, i, :length] = spec.confidence
+            if length:  # NaN: unknown (a fast backup's tokens, or not tracked)
+                buffers.confidence[slot, i, :length] = float("nan") if spec.confidence is None else spec.confidence
             buffers.meta[slot, i] = torch.tensor([wire.source_code(spec.source), int(hit), length])
 
     def _publish(self, session: _Session) -> None:
