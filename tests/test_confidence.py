@@ -117,6 +117,12 @@ def _measured_policy(**kwargs) -> LookaheadPolicy:
 
 def test_the_round_verifies_as_deep_as_its_confidences_pay():
     policy = _measured_policy(confidence=True)
+    # unmeasured, every bin stands at the run's pooled acceptance: confidence tells nothing yet
+    assert policy.confidence_table() == pytest.approx([policy.acceptance.pooled()] * (len(EDGES) + 1))
+    assert policy.choose(3, confidence=[torch.tensor([0.99, 0.99, 0.01])]) == 3
+    for _ in range(20):  # what this pair has shown: sure tokens accepted, hesitant ones not
+        policy.calibration.add(0.99, 1.0)
+        policy.calibration.add(0.01, 0.0)
     assert policy.choose(3, confidence=[torch.tensor([0.99, 0.99, 0.01])]) == 2
     entry = policy.trace[-1]
     assert entry["tok_s"][3] > entry["tok_s"][2]  # the average acceptance alone would verify all three
@@ -151,6 +157,17 @@ def test_the_policy_learns_its_calibration_from_verifications():
         policy.observe_verification([SimpleNamespace(speculation=spec)],
                                     SimpleNamespace(verified=2, accepted=[2], scores=scores))
     assert float(policy.calibration.acceptance(torch.tensor([0.5]))[0]) > 0.6  # the free samples at c = 0.5
+
+
+def test_the_calibration_carries_over_to_the_next_call_on_the_same_pair():
+    from hf_ssd.generation.estimates import LookaheadMemory
+
+    memory = LookaheadMemory()
+    first = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)
+    first.calibration.add(0.99, 1.0)
+    again = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)
+    other = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=2, confidence=True)
+    assert again.calibration is first.calibration and other.calibration.samples == 0
 
 
 def test_stop_rule_prices_a_drafted_token_at_the_chosen_speed():

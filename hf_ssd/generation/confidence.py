@@ -2,8 +2,9 @@
 
 Every drafted token carries the draft's confidence c (its top probability under greedy decoding, q of the token when
 sampling: `Speculation.confidence`). How often the target accepts a token of confidence c, f(c), is learnt online per
-run (`ConfidenceCalibration`: decayed counts per confidence bin, each shrunk to c itself until measured), from every
-verified token and the free sample one position beyond. The lookahead policy uses f twice:
+run and kept for the next calls with the same pair (`ConfidenceCalibration`: decayed counts per confidence bin, each
+shrunk to a prior until measured: the run's pooled acceptance, so that a bin without samples behaves as if confidence
+told nothing), from every verified token and the free sample one position beyond. The lookahead policy uses f twice:
 
 * how many of this round's drafted tokens to verify: E(K) = 1 + Σ_{i<=K} Π_{j<=i} f(c_j) of the speculation in hand
   (per row, averaged over a batch's rows) instead of the run's average acceptance per position; a speculation whose
@@ -65,11 +66,12 @@ class ConfidenceCalibration:
         self.passed[b] += accepted
         self.samples += 1
 
-    def table(self) -> list[float]:
-        """f per bin: measured, shrunk to the bin's midpoint, and non-decreasing in confidence (a more confident
-        token is never predicted less likely accepted: adjacent bins that disagree are pooled)."""
+    def table(self, prior: float | None = None) -> list[float]:
+        """f per bin: measured, shrunk to `prior` (default: each bin's midpoint), and non-decreasing in confidence (a
+        more confident token is never predicted less likely accepted: adjacent bins that disagree are pooled)."""
         w = self.prior_weight
-        values = [(p + m * w) / (r + w) for p, r, m in zip(self.passed, self.reached, self.prior)]
+        priors = self.prior if prior is None else [prior] * len(self.prior)
+        values = [(p + m * w) / (r + w) for p, r, m in zip(self.passed, self.reached, priors)]
         weights = [r + w for r in self.reached]
         return _non_decreasing(values, weights)
 

@@ -72,6 +72,7 @@ class LookaheadMemory:
     def __init__(self):
         self.verify: dict[tuple, dict[int, float]] = {}
         self.acceptance: dict[int, float] = {}
+        self.calibration: dict[int, object] = {}  # draft key -> its `ConfidenceCalibration` against this target
 
     @classmethod
     def of(cls, model) -> LookaheadMemory:

@@ -119,7 +119,11 @@ class LookaheadPolicy:
         self.acceptance = AcceptanceTracker(lookahead + 1, acceptance_prior)
         # f(c), the acceptance of a token given the draft's confidence in it (`confidence.py`): what decides this
         # round's K from the speculation in hand and where just-in-time drafting stops
-        self.calibration = ConfidenceCalibration() if confidence and adaptive else None
+        self.calibration = None
+        if confidence and adaptive:
+            known = memory is not None and draft_key is not None
+            self.calibration = memory.calibration.setdefault(draft_key, ConfidenceCalibration()) if known else (
+                ConfidenceCalibration())
         self._confidence: list | None = None  # this round's per-row draft confidences ([n] tensors or None)
         self._rate: float | None = None  # the expected tokens per second of the way chosen at the last decision
         self._confident_speeds: dict[int, float] | None = None  # this round's speeds per K from its confidences
@@ -477,7 +481,12 @@ class LookaheadPolicy:
             return None
         if any(c is None or c.shape[0] < limit for c in rows):
             return None
-        return self.calibration.acceptance(torch.stack([c[:limit].detach().float().cpu() for c in rows]))
+        return self.calibration.acceptance(torch.stack([c[:limit].detach().float().cpu() for c in rows]),
+                                           self.confidence_table())
+
+    def confidence_table(self) -> list[float]:
+        """f per confidence bin, unmeasured bins at the run's pooled acceptance (`ConfidenceCalibration.table`)."""
+        return self.calibration.table(prior=self.acceptance.pooled())
 
     def _seconds_now(self, k: int, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
         """R(k) of this round in the way chosen: a serial round's verification on every core, then the next
@@ -510,7 +519,7 @@ class LookaheadPolicy:
         gain = self._rate * (per_token + extra)
         if self.trace:
             self.trace[-1]["stop_gain"] = round(gain, 3)
-        return StopRule(tuple(self.calibration.table()), gain)
+        return StopRule(tuple(self.confidence_table()), gain)
 
     def _record(self, k: int, speeds: dict | None, why: str, serial_speeds: dict | None = None) -> None:
         entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode,
