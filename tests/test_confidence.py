@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 from conftest import tiny_pair
-from test_lookahead import _script, batch_greedy_runs, law_models  # noqa: F401  (law_models: a fixture)
+from test_lookahead import _script, batch_greedy_runs, law_models, shift_just_in_time_q  # noqa: F401  (law_models: a fixture)
 from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, WARPED, exact_law, law_pvalues, ssd_samples
 
 from hf_ssd import SSDConfig
@@ -269,19 +269,9 @@ def test_sampling_law_when_speculations_stop_early(monkeypatch, law_models, draf
 def test_negative_control_q_shifted_when_drafting_stops_early(monkeypatch, law_models):  # noqa: F811
     """Power check: speculations that stopped early handed over with q shifted by one position (C = 0.3, so the
     positions' q differ) are rejected by the same harness."""
-    from hf_ssd.generation.candidate_generator import SaguaroCandidateGenerator
-
     _script(monkeypatch, LAW_STOP_SCRIPT)
     _script_stops(monkeypatch, [GAINS[2]])  # two tokens of the three asked for
-    original = SaguaroCandidateGenerator._draft_just_in_time
-
-    def shifted(self, missed, length, phase, first=None, stop=None):
-        tokens, probs, tops, confidence = original(self, missed, length, phase, first, stop)
-        if probs is not None and tokens.shape[1] < length:
-            probs = torch.cat([probs[:, 1:], probs[:, :1]], dim=1)
-        return tokens, probs, tops, confidence
-
-    monkeypatch.setattr(SaguaroCandidateGenerator, "_draft_just_in_time", shifted)
+    shift_just_in_time_q(monkeypatch, lambda phase, asked, drafted: drafted < asked)
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync")
     counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=132, samples=SAMPLES)

@@ -590,21 +590,28 @@ def test_sampling_law_through_serial_rounds(monkeypatch, law_models, executor):
     assert min(pvalues.values()) >= ALPHA, pvalues
 
 
-def test_negative_control_serial_q_shifted(monkeypatch, law_models):
-    """Power check: serial speculations handed over with q shifted by one position (Saguaro-rescaled, C = 0.3, so
-    the positions' q differ) are rejected by the harness."""
+def shift_just_in_time_q(monkeypatch, when):
+    """Tokens drafted just in time are handed over with q shifted by one position whenever `when(phase, asked,
+    drafted)` holds."""
     from hf_ssd.generation.candidate_generator import SaguaroCandidateGenerator
 
-    _script(monkeypatch, [(0, 0, 3), (3, 0, 3)])  # the 2nd to 4th tokens come from serial speculations
     original = SaguaroCandidateGenerator._draft_just_in_time
 
     def shifted(self, missed, length, phase, first=None, stop=None):
         tokens, probs, tops, confidence = original(self, missed, length, phase, first, stop)
-        if phase == "serial" and probs is not None:
+        if probs is not None and when(phase, length, tokens.shape[1]):
             probs = torch.cat([probs[:, 1:], probs[:, :1]], dim=1)
         return tokens, probs, tops, confidence
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "_draft_just_in_time", shifted)
+
+
+def test_negative_control_serial_q_shifted(monkeypatch, law_models):
+    """Power check: serial speculations handed over with q shifted by one position (Saguaro-rescaled, C = 0.3, so
+    the positions' q differ) are rejected by the harness."""
+
+    _script(monkeypatch, [(0, 0, 3), (3, 0, 3)])  # the 2nd to 4th tokens come from serial speculations
+    shift_just_in_time_q(monkeypatch, lambda phase, length, drafted: phase == "serial")
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync")
     counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=98, samples=SAMPLES)

@@ -21,7 +21,7 @@ probabilities), never on the target's draws: verification stays exact, whatever 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -110,13 +110,16 @@ class StopRule:
 
     table: tuple[float, ...]
     gain: float
+    _lookup: torch.Tensor = field(init=False, repr=False, compare=False)  # `table` as a tensor, built once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_lookup", torch.tensor(self.table, dtype=torch.float32))
 
     def keeps_going(self, reach: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor
                     ) -> tuple[bool, torch.Tensor]:
         """(whether to draft another token, the rows' reach including the latest token) given the reach before it
         [b], the latest token's confidence [b] and the rows drafting [b] (bool)."""
-        lookup = torch.tensor(self.table, dtype=torch.float32, device=confidence.device)
-        f = lookup[bin_of(confidence)]
+        f = self._lookup.to(confidence.device)[bin_of(confidence)]
         reach = reach * f
         worth = (reach * f >= self.gain) & rows
         return bool(worth.any()), reach

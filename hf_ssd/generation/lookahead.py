@@ -481,8 +481,8 @@ class LookaheadPolicy:
             return None
         if any(c is None or c.shape[0] < limit for c in rows):
             return None
-        return self.calibration.acceptance(torch.stack([c[:limit].detach().float().cpu() for c in rows]),
-                                           self.confidence_table())
+        confidence = torch.stack([c[:limit] for c in rows]).detach().float().cpu()  # one transfer for the batch
+        return self.calibration.acceptance(confidence, self.confidence_table())
 
     def confidence_table(self) -> list[float]:
         """f per confidence bin, unmeasured bins at the run's pooled acceptance (`ConfidenceCalibration.table`)."""
