@@ -40,6 +40,11 @@ class SSDConfig:
             target accepted) say pay, and stop drafting just in time (serial rounds, the draft backup) where the
             next token is not expected to repay its cost, as transformers' `assistant_confidence_threshold` does
             with a fixed threshold. False: the run's average acceptance per position decides.
+        max_serial_lookahead: how deep a speculation drafted just in time (a serial round: the draft sits the
+            verification out, then drafts on every core, as SD does) may run while the draft stays confident (at
+            least K; only with `draft_confidence` and the adaptive schedule, whose stop rule ends it where the next
+            token no longer repays its cost, as transformers' `num_assistant_tokens` = 20 bounds its confident
+            drafts). Speculations prepared beside the verification stay K deep.
         fanout: which verification outcomes to prepare: `"geometric"` (Theorem 12, adapted online),
             `"uniform"`, or an explicit list of K+1 non-negative ints (branches per accepted length 0..K).
         fanout_budget: B, the most branches prepared per row and round (>= 1).
@@ -73,6 +78,7 @@ class SSDConfig:
     lookahead: int = 3
     lookahead_schedule: str = "adaptive"
     draft_confidence: bool = True
+    max_serial_lookahead: int = 16
     fanout: str | list[int] = "geometric"
     fanout_budget: int = 8
     fanout_budget_schedule: str = "adaptive"
@@ -108,6 +114,7 @@ class SSDConfig:
             _fail("lookahead_schedule", self.lookahead_schedule, f"expected one of {LOOKAHEAD_SCHEDULES}")
         if not isinstance(self.draft_confidence, bool):
             _fail("draft_confidence", self.draft_confidence, "expected a bool")
+        _check_int("max_serial_lookahead", self.max_serial_lookahead, 1)
         if self.fanout_budget_schedule not in FANOUT_BUDGET_SCHEDULES:
             _fail("fanout_budget_schedule", self.fanout_budget_schedule, f"expected one of {FANOUT_BUDGET_SCHEDULES}")
         if isinstance(self.fanout, (list, tuple)):
@@ -157,6 +164,14 @@ class SSDConfig:
     def branches(self) -> int:
         """Total branches per round: the budget, or the sum of an explicit fan-out."""
         return sum(self.fanout) if isinstance(self.fanout, list) else self.fanout_budget
+
+    @property
+    def serial_lookahead(self) -> int:
+        """The most tokens a serial (just-in-time) speculation holds: `max_serial_lookahead` where the draft's
+        confidence bounds it (`draft_confidence` with the adaptive schedule), else K."""
+        if self.draft_confidence and self.lookahead_schedule == "adaptive":
+            return max(self.lookahead, self.max_serial_lookahead)
+        return self.lookahead
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (round-trips through `from_dict`)."""

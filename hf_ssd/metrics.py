@@ -143,20 +143,21 @@ class SSDMetrics:
 class MetricsRecorder:
     """Accumulates per-round figures and turns them into `SSDMetrics`."""
 
-    def __init__(self, lookahead: int):
+    def __init__(self, lookahead: int, deepest: int = 0):
         self.lookahead = lookahead
+        deepest = max(lookahead, deepest)  # the longest speculation a round may verify (a serial one's)
         self.phases = PhaseTimer()  # the target side's critical path (see `SSDMetrics.target_phase_seconds`)
         self.rounds = 0
         self.generated = 0
         self.lookups = 0
-        self.by_position = [[0, 0] for _ in range(lookahead + 1)]  # [hits, lookups] per accepted length k
+        self.by_position = [[0, 0] for _ in range(deepest + 1)]  # [hits, lookups] per accepted length k
         self.hits = 0
         self.accepted_total = 0
         self.verified_total = 0
         self.emitted_total = 0
         self.drafts = 0  # row-rounds that verified at least one draft token
-        self.reached = [0] * lookahead
-        self.passed = [0] * lookahead
+        self.reached = [0] * deepest
+        self.passed = [0] * deepest
         self.by_source: dict[str, list[int]] = {}
         self.batch_rounds = 0
         self.peak_target = 0
@@ -226,6 +227,10 @@ class MetricsRecorder:
         def ratio(a: float, b: float) -> float:
             return a / b if b else 0.0
 
+        # K positions, and past them as deep as serial speculations were verified
+        reached = max([self.lookahead] + [i + 1 for i, r in enumerate(self.reached) if r])
+        lookups = max([self.lookahead + 1] + [i + 1 for i, b in enumerate(self.by_position) if b[1]])
+
         return SSDMetrics(
             rounds=self.rounds,
             batch_rounds=self.batch_rounds,
@@ -233,14 +238,14 @@ class MetricsRecorder:
             cache_lookups=self.lookups,
             cache_hits=self.hits,
             cache_hit_rate=ratio(self.hits, self.lookups),
-            hits_by_position=[list(bucket) for bucket in self.by_position],
+            hits_by_position=[list(bucket) for bucket in self.by_position[:lookups]],
             mean_accepted_length=ratio(self.emitted_total, self.rounds),
             draft_acceptance_rate=ratio(self.accepted_total, self.verified_total),
-            per_position_acceptance=[ratio(p, r) for p, r in zip(self.passed, self.reached)],
+            per_position_acceptance=[ratio(p, r) for p, r in zip(self.passed[:reached], self.reached)],
             drafts=self.drafts,
             draft_tokens=self.verified_total,
             accepted_tokens=self.accepted_total,
-            accepted_per_position=list(self.passed),
+            accepted_per_position=list(self.passed[:reached]),
             tokens_per_round_hit=self.tokens_per_round("cache"),
             tokens_per_round_miss=self.tokens_per_round(
                 *(k for k in self.by_source if k not in ("cache", *NOT_LOOKED_UP))),

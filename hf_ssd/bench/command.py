@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-confidence", default="on", choices=["on", "off"],
                         help="SSD: condition each round's K and just-in-time drafting on the draft's confidence "
                              "(SSDConfig.draft_confidence)")
+    parser.add_argument("--max-serial-lookahead", type=int, default=16,
+                        help="SSD: how deep a speculation drafted just in time may run while the draft stays "
+                             "confident (SSDConfig.max_serial_lookahead; K: never past K)")
     parser.add_argument("--backup", default="auto", choices=["auto", "draft", "ngram", "random"])
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling, seed per prompt")
     parser.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
@@ -215,6 +218,7 @@ def run_command(args: argparse.Namespace) -> int:
         backup=args.backup, latencies=not args.no_latencies, overlap_efficiency=args.overlap_efficiency,
         executor=args.executor, lookahead_schedule=args.lookahead_schedule, sd_lookaheads=sd_lookaheads,
         fanout_budget_schedule=args.fanout_budget_schedule, draft_confidence=args.draft_confidence == "on",
+        max_serial_lookahead=args.max_serial_lookahead,
     )
     build_methods(settings.methods, settings.framing, settings.draft_threads, settings.target_threads,
                   settings.sd_lookaheads)  # validate

@@ -191,6 +191,7 @@ class BenchSettings:
     lookahead_schedule: str = "adaptive"
     fanout_budget_schedule: str = "adaptive"
     draft_confidence: bool = True
+    max_serial_lookahead: int = 16
     warmup_tokens: int = 8
     latencies: bool = True
     latency_repeats: int = 3
@@ -220,7 +221,8 @@ class BenchSettings:
         return SSDConfig(lookahead=self.lookahead, fanout_budget=self.budget, fanout=self.fanout, backup=self.backup,
                          executor=executor, lookahead_schedule=self.lookahead_schedule,
                          fanout_budget_schedule=self.fanout_budget_schedule,
-                         draft_confidence=self.draft_confidence, **threads)
+                         draft_confidence=self.draft_confidence, max_serial_lookahead=self.max_serial_lookahead,
+                         **threads)
 
 
 @dataclass

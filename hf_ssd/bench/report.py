@@ -202,7 +202,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         f"- target: {_model_text(models.get('target'))}; draft: {_model_text(models.get('draft'))}",
         f"- {mode}; K={s['lookahead']} ({s.get('lookahead_schedule', 'adaptive')}), B={s['budget']} "
         f"({s['fanout']} fan-out, {s.get('fanout_budget_schedule', 'constant')} budget, backup {s['backup']}"
-        f"{'' if s.get('draft_confidence', False) else ', no draft confidence'}); "
+        f"{'' if s.get('draft_confidence', False) else ', no draft confidence'}"
+        f"{', serial speculations up to ' + str(s['max_serial_lookahead']) if 'max_serial_lookahead' in s else ''}); "
         f"max_new_tokens={s['max_new_tokens']}; repeats={s['repeats']}; seed {s['seed']}",
         "- prompts: " + ", ".join(f"{k} ({v['prompts']}, {v['source']})" for k, v in results["datasets"].items()),
         f"- {env['cpu_model']}, {env['available_cores']} cores; torch {env['torch']}, transformers "

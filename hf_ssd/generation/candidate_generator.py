@@ -188,8 +188,9 @@ class SaguaroCandidateGenerator(CandidateGenerator):
     def _saguaro_top(self, kind: str, position: int) -> int:
         """Candidates to down-weight at speculation position `position` (1-based): F_{position-1} plus the draft,
         where F is the schedule that will follow the speculation's verification (`kind`: "hit" for a tree branch,
-        "miss" for a backup's)."""
-        return self.schedules[kind][position - 1] + 1
+        "miss" for a backup's); past K (a serial speculation running deeper) the last fork's."""
+        schedule = self.schedules[kind]
+        return schedule[min(position, len(schedule)) - 1] + 1
 
     def _reseed(self, phase: int) -> None:
         """Seed the draft's generator per round and phase, so the draws of a round never depend on how much work

@@ -54,7 +54,7 @@ def ssd_decoding(
     request = _draft_request(config, do_sample, logits_processor, model_vocab_size(model))
     batch = Batch(input_ids, stopping_criteria, generation_config)
     target = TargetBatch(model, input_ids, model_kwargs, logits_processor, generation_config)
-    recorder, backups = MetricsRecorder(config.lookahead), AutoBackup(config.backup)
+    recorder, backups = MetricsRecorder(config.lookahead, config.serial_lookahead), AutoBackup(config.backup)
     target_threads = request.target_threads if kind != "sync" else torch.get_num_threads()
     # serial rounds (the draft sits a verification out, then drafts on every core) only pay where the two share cores
     shared_cores = input_ids.device.type == "cpu" and assistant_model.device.type == "cpu"
@@ -64,7 +64,7 @@ def ssd_decoding(
                              draft_key=id(assistant_model), serial=shared_cores,
                              fanout=FanoutBudget(config.branches, _budget_adaptive(config), config.power_law_prior,
                                                  concurrent=kind != "sync"),
-                             confidence=config.draft_confidence)
+                             confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -103,9 +103,10 @@ def ssd_decoding(
             with phase("wait_prepare"):
                 preparing.result()
             backup = backups.decide(recorder, drafter.timings(), len(batch.active))
+            serial, stop = policy.just_in_time()
             with phase("wait_resolve"):
-                resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup,
-                                              policy.serial, policy.stop_rule()).result()
+                resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup, serial,
+                                              stop).result()
             for i, resolution in zip(keep, resolutions):
                 if resolution.looked_up:
                     recorder.record_lookup(resolution.hit, verdict.accepted[i])

@@ -109,14 +109,13 @@ class LookaheadPolicy:
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
                  cost_shape: tuple[float, ...] = CPU_SHAPE, memory: LookaheadMemory | None = None,
                  setting: tuple = (), draft_key: int | None = None, serial: bool = False,
-                 fanout: FanoutBudget | None = None, confidence: bool = False):
+                 fanout: FanoutBudget | None = None, confidence: bool = False, serial_lookahead: int = 0):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
         self.fanout = fanout or FanoutBudget(1, adaptive=False, power=1.0, concurrent=concurrent)  # see `budget`
         self.serial_option = serial and concurrent and adaptive  # see `SERIAL` in the module docstring
         self.memory, self.setting, self.draft_key = memory, setting, draft_key
         if memory is not None and draft_key in memory.acceptance:
             acceptance_prior = memory.acceptance[draft_key]
-        self.acceptance = AcceptanceTracker(lookahead + 1, acceptance_prior)
         # f(c), the acceptance of a token given the draft's confidence in it (`confidence.py`): what decides this
         # round's K from the speculation in hand and where just-in-time drafting stops
         self.calibration = None
@@ -124,6 +123,10 @@ class LookaheadPolicy:
             known = memory is not None and draft_key is not None
             self.calibration = memory.calibration.setdefault(draft_key, ConfidenceCalibration()) if known else (
                 ConfidenceCalibration())
+        # how deep a serial speculation may run: past K_max while confident (the stop rule ends it), as SD's
+        # confident drafts do; what the draft prepares beside a verification stays K_max deep
+        self.k_serial = max(lookahead, serial_lookahead) if self.calibration is not None else lookahead
+        self.acceptance = AcceptanceTracker(self.k_serial + 1, acceptance_prior)
         self._confidence: list | None = None  # this round's per-row draft confidences ([n] tensors or None)
         self._rate: float | None = None  # the expected tokens per second of the way chosen at the last decision
         self._confident_speeds: dict[int, float] | None = None  # this round's speeds per K from its confidences
@@ -202,7 +205,8 @@ class LookaheadPolicy:
 
         An unmeasured K >= 1 costs what the largest measured K below it costs (the curve's lower bound if it rises;
         on CPUs it rises in steps — 1-3 positions cost the same with AVX-512, 4-5 twice that — and is not even
-        monotone with oneDNN, so nothing between measured points is assumed dearer than its lower neighbour); with
+        monotone with oneDNN, so nothing between measured points is assumed dearer than its lower neighbour; past
+        K_max, where no K is explored, it rises from there by the prior shape `shape`); with
         none measured below it, the nearest measured one above scaled down in proportion to positions. The plain
         step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones scaled by
         the prior shape."""
@@ -216,9 +220,11 @@ class LookaheadPolicy:
         several = sorted((n, t) for n, t in measured.items() if n >= 1)  # verifications of several positions
         if not several:
             return measured[0] * self.shape(k)
-        below = [t for n, t in several if n < k]
+        below = [(n, t) for n, t in several if n < k]
         if below:
-            return below[-1]
+            n, t = below[-1]
+            # past K_max (a serial speculation verified deeper: never explored) the prior shape's rise on top
+            return t * self.shape(k) / self.shape(n) if k > self.k_max else t
         n, t = several[0]
         return t * (k + 1) / (n + 1)
 
@@ -274,7 +280,7 @@ class LookaheadPolicy:
         self._active_rows = rows
         self._confidence = confidence
         self._exploring = False
-        k = self._choose(min(limit, self.k_max))
+        k = self._choose(min(limit, self.k_serial))
         self.trace[-1]["limit"] = limit
         return k
 
@@ -303,7 +309,7 @@ class LookaheadPolicy:
             depth = self._drafted_after(self.k_max)  # probing's counters stay: a trial that fails goes back to them
         elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
             # (with its confidence known, as deep as it stays worth it: `stop_rule`)
-            length = self.k_max if self.calibration is not None else self._wanted
+            length = self.k_serial if self.calibration is not None else self._wanted
             depth, self.serial, self._plain_run, self._probe_chain = 0, length, 0, 0
             self._probe_every, self._since_probe = PROBE_EVERY, 0
         elif k > 0 or not self.adaptive or self._wanted > 0:
@@ -370,6 +376,7 @@ class LookaheadPolicy:
         serially (it drafts after it, on every core) or not at all (plain steps)."""
         self._mode = CONCURRENT
         self._confident_speeds = None
+        deep, limit = limit, min(limit, self.k_max)  # deeper only for a serial round's speculation in hand
         if not self.adaptive:
             self._record(limit, None, "constant")
             return limit
@@ -393,7 +400,7 @@ class LookaheadPolicy:
             return choice
         serial_table = self.serial_times() if self.serial_option else {}
         serial_speeds = {}
-        for k in range(1, self.k_max + 1) if self.serial_option else ():
+        for k in range(1, self.k_serial + 1) if self.serial_option else ():
             seconds = self.serial_round_seconds(k, table, serial_table)
             if seconds is not None and seconds > 0:
                 serial_speeds[k] = expected_tokens(acceptance, k) / seconds
@@ -406,6 +413,8 @@ class LookaheadPolicy:
                 0 not in speeds or serial_speeds[best_serial] >= margin * speeds[0]):
             self._wanted, self._mode = best_serial, SERIAL
         # this round: a K of the wanted kind (or a plain step) within what was prepared
+        if self._mode == SERIAL:
+            limit = deep
         now = serial_speeds if self._mode == SERIAL else speeds
         within = {k: v for k, v in now.items() if k <= limit}
         if 0 in speeds:
@@ -419,6 +428,7 @@ class LookaheadPolicy:
             self._trial = False
             if best == 0 and limit > 0:
                 self._mode = SERIAL if self.serial_option else CONCURRENT
+                limit = min(limit, self.k_max)
                 self._record(limit, speeds, "trial", serial_speeds)
                 return limit
         top = max([*speeds.values(), *serial_speeds.values()])
@@ -436,7 +446,8 @@ class LookaheadPolicy:
                 plain_in_batch = k == 0 and mode == CONCURRENT and self._active_rows > 1 and k not in known
                 return v >= (EXPLORE_PLAIN_WITHIN if plain_in_batch else EXPLORE_WITHIN) * top
 
-            return [(v, k, mode) for k, v in mode_speeds.items() if k <= limit and close(k, v) and (
+            # (past K_max a serial K is not explored: it is chosen from the draft's confidence, then timed)
+            return [(v, k, mode) for k, v in mode_speeds.items() if k <= min(limit, self.k_max) and close(k, v) and (
                 k not in known or (stale(k) and not (chosen and k == best)))]
 
         unmeasured = untimed(CONCURRENT, speeds, table, self.verify) + untimed(
@@ -499,6 +510,13 @@ class LookaheadPolicy:
             return None
         drafted = self.serial_length.value if self.serial_length.value is not None else self.k_max
         return verify + drafted * (self.serial_token.value or 0.0) + max(self.overhead.value or 0.0, 0.0)
+
+    def just_in_time(self) -> tuple[int, StopRule | None]:
+        """(tokens the draft drafts just in time after this verification, where it stops early): a serial round's
+        speculation runs up to `k_serial` deep under the stop rule, at most K_max without one (the draft's cost per
+        token not measured yet); (0, rule) otherwise (the rule then bounds a draft backup on a miss)."""
+        stop = self.stop_rule()
+        return (self.serial if stop is not None else min(self.serial, self.k_max)), stop
 
     def stop_rule(self) -> StopRule | None:
         """Where this round's just-in-time drafting (the serial speculation, a draft backup on a miss) stops: once no

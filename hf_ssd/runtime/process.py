@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..cache.speculation_cache import NOT_LOOKED_UP, Speculation
+from ..config import SSDConfig
 from ..generation.candidate_generator import DraftTimings, Resolution
 from . import wire
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
@@ -90,7 +91,7 @@ class ProcessExecutor(DraftExecutor):
     def begin(self, input_ids, attention_mask):
         rows = input_ids.shape[0]
         vocab = self.request.vocab_size if self.request.do_sample else None
-        lookahead = int(self.request.config["lookahead"])
+        lookahead = SSDConfig.coerce(self.request.config).serial_lookahead  # the longest speculation
         previous = self.worker.buffers
         if previous is not None and previous.fits(rows, lookahead, vocab, self.draft_device):
             self.buffers, sent = previous, None  # the worker kept them

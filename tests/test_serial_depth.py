@@ -1,0 +1,142 @@
+"""Serial speculations deeper than K (`SSDConfig.max_serial_lookahead`): the policy lets a speculation drafted just in
+time run past K while the draft stays confident, and verifies it as deep as its confidences pay. Covered here: the
+config, the policy's choice of a deep K, and losslessness through deep rounds (greedy across executors and
+architectures, a left-padded batch, the sampling law with Saguaro C < 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_pair
+from test_confidence import _script_stops
+from test_lookahead import _script, batch_greedy_runs, law_models, shift_just_in_time_q  # noqa: F401  (law_models: a fixture)
+from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, exact_law, law_pvalues, ssd_samples
+
+from hf_ssd import SSDConfig
+from hf_ssd.generation.estimates import _Ema
+from hf_ssd.generation.lookahead import FLAT_SHAPE, SERIAL, LookaheadPolicy
+
+
+def test_config_bounds_serial_depth():
+    assert SSDConfig(lookahead=3).serial_lookahead == 16
+    assert SSDConfig(lookahead=3, max_serial_lookahead=2).serial_lookahead == 3  # never shorter than K
+    assert SSDConfig(lookahead=3, draft_confidence=False).serial_lookahead == 3  # nothing would stop it: K
+    assert SSDConfig(lookahead=3, lookahead_schedule="constant").serial_lookahead == 3
+    with pytest.raises(ValueError, match="max_serial_lookahead"):
+        SSDConfig(max_serial_lookahead=0)
+
+
+def _serial_policy(**kwargs) -> LookaheadPolicy:
+    """A policy whose costs are measured: serial rounds pay (a flat verification curve, a cheap draft)."""
+    policy = LookaheadPolicy(3, True, 0.9, concurrent=True, cost_shape=FLAT_SHAPE, serial=True, confidence=True,
+                             **kwargs)
+    for k in range(4):
+        policy.verify.setdefault(k, _Ema(0.7)).add(0.100 + 0.002 * k)
+    for k in range(1, 4):
+        policy.serial_verify.setdefault(k, _Ema(0.7)).add(0.080 + 0.002 * k)
+    policy.serial_token.add(0.004)
+    policy.serial_length.add(3.0)
+    policy.draft.add(0.150)  # the concurrent tree outlasts the verification: serial rounds win
+    policy.overhead.add(0.0)
+    policy._rounds = 5
+    return policy
+
+
+def test_a_serial_round_verifies_past_k_where_the_draft_is_sure():
+    policy = _serial_policy(serial_lookahead=10)
+    assert policy.k_serial == 10
+    sure = torch.full((10,), 0.99)
+    k = policy.choose(10, confidence=[sure])
+    assert policy._mode == SERIAL and k > 3, policy.trace[-1]
+    assert policy.depth(k) == 0 and policy.serial == 10  # the next speculation may run 10 deep again
+    unsure = torch.tensor([0.99, 0.99, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05])
+    for _ in range(30):  # the pair has shown that unsure tokens are rejected
+        policy.calibration.add(0.05, 0.0)
+    assert policy.choose(10, confidence=[unsure]) == 2
+
+
+def test_without_a_stop_rule_serial_drafting_stays_within_k():
+    policy = _serial_policy(serial_lookahead=10)
+    policy.choose(3, confidence=[torch.full((3,), 0.99)])
+    policy.depth(3)
+    assert policy.serial == 10
+    policy.serial_token.value = None  # the draft's cost per token unknown: no stop rule
+    assert policy.just_in_time() == (3, None)
+    policy.serial_token.add(0.004)
+    serial, stop = policy.just_in_time()
+    assert serial == 10 and stop is not None
+
+
+def test_concurrent_rounds_stay_within_k():
+    """Without serial rounds (a draft on its own device) every speculation is prepared K deep and verified so."""
+    policy = _serial_policy(serial_lookahead=10)
+    policy.serial_option = False
+    k = policy.choose(10, confidence=[torch.full((10,), 0.99)])
+    assert k == 3 and policy.depth(k) == 3 and policy.serial == 0
+
+
+# serial rounds deeper than K = 3 (9, 12 and 7 tokens asked; a stop rule that lets some run whole and stops others
+# after 2), verified 5 to 12 deep, into a concurrent round that verifies 5 of a deep speculation, a plain step
+DEEP_SCRIPT = [(0, 0, 9), (9, 0, 12), (5, 3), (3, 0, 12), (12, 0, 7), (2, 0, 0), (0, 0, 9), (7, 3), (3, 3)]
+
+
+@pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
+def test_greedy_identical_through_deep_serial_rounds(monkeypatch, arch, executor):
+    _script(monkeypatch, DEEP_SCRIPT)
+    _script_stops(monkeypatch, [1e-6, 1e-6, 0.6])  # all, all, 2 tokens
+    target, random_draft = tiny_pair(arch, seed=140)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(16))
+    expected = target.generate(ids, max_new_tokens=48, do_sample=False)
+    for draft in (target, random_draft):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=48, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, max_serial_lookahead=12, executor=executor))
+        assert torch.equal(out, expected), (arch, executor)
+        m = target.ssd_metrics
+        assert max(m.lookahead_per_round) > 3, m.lookahead_per_round  # rounds verified past K
+        if draft is target:
+            assert len(m.per_position_acceptance) > 3 and m.per_position_acceptance[5] == 1.0
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_batch_greedy_identical_through_deep_serial_rounds(monkeypatch, executor):
+    _script(monkeypatch, DEEP_SCRIPT)
+    _script_stops(monkeypatch, [1e-6, 0.6])
+    for metrics in batch_greedy_runs(74, 11, 30, SSDConfig(lookahead=3, max_serial_lookahead=12,
+                                                           executor=executor)):
+        assert max(metrics.lookahead_per_round) > 3
+
+
+# 4 new tokens with K = 1: a plain step, then a serial speculation 3 deep (past K: Saguaro's reshaping past the
+# schedule's end) verified as deep as max_length lets it (2), then one asked 3 deep stopping after 2 or running whole
+LAW_DEEP_SCRIPT = [(0, 0, 3), (3, 0, 3), (3, 1)]
+
+
+@pytest.mark.parametrize("draft, c, executor", [
+    pytest.param("random", 0.3, "sync", id="rand-C0.3-sync"),
+    pytest.param("self", 0.5, "process", id="self-C0.5-process"),
+])
+def test_sampling_law_through_deep_serial_rounds(monkeypatch, law_models, draft, c, executor):  # noqa: F811
+    _script(monkeypatch, LAW_DEEP_SCRIPT)
+    _script_stops(monkeypatch, [1e-6, 0.6])
+    target = law_models["target"]
+    config = SSDConfig(lookahead=1, max_serial_lookahead=3, fanout_budget=2, saguaro_c=c, backup="draft",
+                       executor=executor)
+    counts, hits, misses = ssd_samples(target, law_models[draft], config, TEMPERATURE, seed=141)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"p-values {pvalues}, hits {hits}, misses {misses}")
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+def test_negative_control_q_shifted_in_deep_serial_speculations(monkeypatch, law_models):  # noqa: F811
+    """Power check: speculations drafted past K handed over with q shifted by one position are rejected."""
+    _script(monkeypatch, LAW_DEEP_SCRIPT)
+    _script_stops(monkeypatch, [1e-6])
+    shift_just_in_time_q(monkeypatch, lambda phase, asked, drafted: phase == "serial" and drafted > 1)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=1, max_serial_lookahead=3, fanout_budget=2, saguaro_c=0.3, backup="draft",
+                       executor="sync")
+    counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=142, samples=SAMPLES)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"negative control p-values {pvalues}")
+    assert min(pvalues.values()) < REJECT, pvalues
