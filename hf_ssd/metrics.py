@@ -58,7 +58,8 @@ class SSDMetrics:
     and `target_wait_seconds`. Times are wall-clock seconds: `target_wait_seconds` is how long the target sat idle
     waiting for the draft (with `executor="sync"` that is all the draft's work). `hits_by_fanout[F]` and
     `hits_by_position[k]` are `[hits, lookups]` by the number of branches prepared at the outcome's fork and by the
-    outcome's accepted length k.
+    outcome's accepted length k. `per_position_acceptance` / `accepted_per_position` cover positions 1..K and,
+    past K, as deep as serial speculations were verified (`SSDConfig.max_serial_lookahead`).
 
     The critical path, per side (seconds summed over the call; divide by `batch_rounds` for a round):
     `target_phase_seconds` — `target_forward` (the verification forwards), `processors` (logits processors),
