@@ -166,12 +166,15 @@ class SSDConfig:
         return sum(self.fanout) if isinstance(self.fanout, list) else self.fanout_budget
 
     @property
+    def tracks_confidence(self) -> bool:
+        """Whether the draft's confidence conditions the rounds: `draft_confidence` with the adaptive schedule."""
+        return self.draft_confidence and self.lookahead_schedule == "adaptive"
+
+    @property
     def serial_lookahead(self) -> int:
         """The most tokens a serial (just-in-time) speculation holds: `max_serial_lookahead` where the draft's
-        confidence bounds it (`draft_confidence` with the adaptive schedule), else K."""
-        if self.draft_confidence and self.lookahead_schedule == "adaptive":
-            return max(self.lookahead, self.max_serial_lookahead)
-        return self.lookahead
+        confidence bounds it (`tracks_confidence`), else K."""
+        return max(self.lookahead, self.max_serial_lookahead) if self.tracks_confidence else self.lookahead
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (round-trips through `from_dict`)."""

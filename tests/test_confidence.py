@@ -20,8 +20,9 @@ from hf_ssd.generation.confidence import (
     bin_of,
     expected_tokens_per_row,
 )
+from hf_ssd.generation.costs import FLAT_SHAPE
 from hf_ssd.generation.estimates import _Ema
-from hf_ssd.generation.lookahead import FLAT_SHAPE, LookaheadPolicy
+from hf_ssd.generation.lookahead import LookaheadPolicy
 
 # --- the calibration and the stop rule, on tensors -------------------------------------------------------------
 

@@ -27,8 +27,9 @@ from hf_ssd import SSDConfig, enable_ssd
 from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation.candidate_generator import DraftTimings
+from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE
 from hf_ssd.generation.estimates import expected_tokens
-from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE, LookaheadPolicy
+from hf_ssd.generation.lookahead import LookaheadPolicy
 
 # --- the policy, on synthetic rounds ---------------------------------------------------------------------------
 

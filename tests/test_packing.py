@@ -70,7 +70,7 @@ def test_packing_speedup_is_measured_on_the_model():
 
 
 def test_a_packed_target_starts_from_a_flat_cost_prior():
-    from hf_ssd.generation.lookahead import CPU_SHAPE, FLAT_SHAPE, prior_cost_shape
+    from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE, prior_cost_shape
 
     assert prior_cost_shape(tiny_model("llama")) == CPU_SHAPE
     assert prior_cost_shape(pack_linear_layers(tiny_model("llama"))) == FLAT_SHAPE

@@ -13,8 +13,9 @@ from test_lookahead import _script, batch_greedy_runs, law_models, shift_just_in
 from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, exact_law, law_pvalues, ssd_samples
 
 from hf_ssd import SSDConfig
+from hf_ssd.generation.costs import FLAT_SHAPE
 from hf_ssd.generation.estimates import _Ema
-from hf_ssd.generation.lookahead import FLAT_SHAPE, SERIAL, LookaheadPolicy
+from hf_ssd.generation.lookahead import SERIAL, LookaheadPolicy
 
 
 def test_config_bounds_serial_depth():

@@ -138,7 +138,7 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # the lookahead policy conditions on the draft's confidence only with the adaptive schedule (greedy decoding
         # pays a softmax over the vocabulary per drafted token for it)
-        self.track_confidence = ssd_config.draft_confidence and ssd_config.lookahead_schedule == "adaptive"
+        self.track_confidence = ssd_config.tracks_confidence
         self.check = check or (lambda: None)
         self._announced = announced
         self.backup = "draft" if ssd_config.backup == "auto" else ssd_config.backup

@@ -24,7 +24,8 @@ from .backup import AutoBackup
 from .budget import FanoutBudget
 from .candidate_generator import sampling_warpers
 from .checks import check_processors, check_supported, model_vocab_size
-from .lookahead import LookaheadMemory, LookaheadPolicy, prior_cost_shape
+from .costs import prior_cost_shape
+from .lookahead import LookaheadMemory, LookaheadPolicy
 from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, steps
 from .rows import Batch
 from .target_rows import TargetBatch, kv_bytes

@@ -38,9 +38,9 @@ import time
 
 import torch
 
-from ..packing import PackedLinear
 from .budget import FanoutBudget
 from .confidence import ConfidenceCalibration, StopRule, expected_tokens_per_row
+from .costs import CPU_SHAPE, RoundCosts
 from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, _Ema, expected_tokens
 
 EXPLORE_WITHIN = 0.9
@@ -61,12 +61,6 @@ PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: 
 # round costs little more than a plain step, and waiting for certainty costs more than it saves.
 SPECULATE_MARGIN = 1.05
 RESUME_MARGIN = 1.2
-# Priors of the verification cost curve's shape (jump, slope, knee: see `LookaheadPolicy.shape`), only until
-# measured. Measured on 2-core CPUs with MKL's fp32 kernels (Qwen 1.5B: 2 positions 2.0-2.3x one, each further one
-# +0.05-0.1x); near flat on GPUs and with oneDNN's packed kernels (`packing.py`: 5 positions 0.66-1.0x one on a
-# 2-core EPYC) until the forward turns compute-bound: from the knee on, cost grows in proportion to positions (the
-# packed 1.5B target on one EPYC core: 9 positions cost 0.9x one, a batch of 8 rows verifying 5 each ~2.8x).
-CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE = (2.0, 0.1, 16.0), (1.02, 0.02, 16.0), (1.02, 0.02, 256.0)
 # How the next speculation is made (`LookaheadPolicy._mode`): by the draft during this verification, by the draft
 # after it (the draft sits the verification out and both run on every core in turn), or not at all.
 CONCURRENT, SERIAL, PLAIN = "concurrent", "serial", "plain"
@@ -93,17 +87,7 @@ def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
     return best
 
 
-def prior_cost_shape(model) -> tuple[float, float, float]:
-    """The prior shape of `model`'s verification cost curve: flat on accelerators (up to hundreds of positions) and
-    for packed CPU Linear layers (up to a dozen), MKL's jump from one position to several otherwise."""
-    if model.device.type != "cpu":
-        return GPU_SHAPE
-    if any(isinstance(m, PackedLinear) for m in model.modules()):
-        return FLAT_SHAPE
-    return CPU_SHAPE
-
-
-class LookaheadPolicy:
+class LookaheadPolicy(RoundCosts):
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
@@ -159,118 +143,6 @@ class LookaheadPolicy:
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
         self._mode = CONCURRENT  # how the next speculation is made (CONCURRENT, SERIAL or PLAIN), see `depth`
         self.serial = 0  # tokens the draft drafts just in time after this round's verification (SERIAL rounds)
-
-    # --- the cost model ----------------------------------------------------------------------------------------
-    def times(self) -> dict[int, float]:
-        """T_v per K known now: this call's measurements over the remembered ones (scaled to this call)."""
-        return {**self._remembered(), **{n: e.value for n, e in self.verify.items()}}
-
-    def serial_times(self) -> dict[int, float]:
-        """T_v per K >= 1 of verifications the draft sat out (on every core), as `times`."""
-        return {**self._remembered(serial=True), **{n: e.value for n, e in self.serial_verify.items()}}
-
-    def serial_verify_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
-        """T_v(k) on every core with the draft idle: measured; else along the measured serial ones as
-        `verify_seconds` guesses; with none measured yet, the plain step's time (also on every core; until measured,
-        as `verify_seconds` guesses it) times the concurrent curve's rise from its smallest measured K (optimistic
-        below it, so that it gets tried)."""
-        if k in serial:
-            return serial[k]
-        if serial:
-            return self.verify_seconds(k, serial)
-        plain = self.verify_seconds(0, table)
-        if plain is None:
-            return None
-        several = sorted((n, t) for n, t in table.items() if n >= 1)
-        if not several:
-            return plain
-        return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
-
-    def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
-        """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core:
-        per token as measured, else as a backup's or a tree step's), and the loop's overhead."""
-        verify = self.serial_verify_seconds(k, table, serial)
-        if verify is None:
-            return None
-        per_token = self.serial_token.value
-        if per_token is None:
-            per_token = (self.backup.value / self.k_max if self.backup.value is not None
-                         else (self.draft.value or 0.0) / (self.k_max + 1))
-        return verify + k * per_token + max(self.overhead.value or 0.0, 0.0)
-
-    def verify_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
-        """T_v(k): measured (in this call, or in earlier ones on this target: `LookaheadMemory`, scaled to this
-        call), else an optimistic guess that gets it tried (see `_choose`: an unmeasured K that might be best is
-        explored once, then its measurement decides).
-
-        An unmeasured K >= 1 costs what the largest measured K below it costs (the curve's lower bound if it rises;
-        on CPUs it rises in steps — 1-3 positions cost the same with AVX-512, 4-5 twice that — and is not even
-        monotone with oneDNN, so nothing between measured points is assumed dearer than its lower neighbour; past
-        K_max, where no K is explored, it rises from there by the prior shape `shape`); with
-        none measured below it, the nearest measured one above scaled down in proportion to positions. The plain
-        step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones scaled by
-        the prior shape."""
-        measured = self.times() if measured is None else measured
-        if not measured:
-            return None
-        if k in measured:
-            return measured[k]
-        if k == 0:
-            return min(t * self.shape(0) / self.shape(n) for n, t in measured.items())
-        several = sorted((n, t) for n, t in measured.items() if n >= 1)  # verifications of several positions
-        if not several:
-            return measured[0] * self.shape(k)
-        below = [(n, t) for n, t in several if n < k]
-        if below:
-            n, t = below[-1]
-            # past K_max (a serial speculation verified deeper: never explored) the prior shape's rise on top
-            return t * self.shape(k) / self.shape(n) if k > self.k_max else t
-        n, t = several[0]
-        return t * (k + 1) / (n + 1)
-
-    def _remembered(self, serial: bool = False) -> dict[int, float]:
-        """Times of earlier calls in this setting, scaled by this call's measured / remembered ratio where both
-        exist (as remembered when nothing overlaps yet)."""
-        if self.memory is None:
-            return {}
-        times = self.memory.times(self._setting(serial))
-        own = self.serial_verify if serial else self.verify
-        ratios = [e.value / times[n] for n, e in own.items() if n in times and times[n] > 0]
-        scale = sum(ratios) / len(ratios) if ratios else 1.0
-        return {n: t * scale for n, t in times.items()}
-
-    def _setting(self, serial: bool = False) -> tuple:
-        return (*self.setting, self._active_rows, *(("serial",) if serial else ()))
-
-    def shape(self, k: int) -> float:
-        """The prior cost curve T_v(k) / T_v(0) at the active rows: the forward's cost over its rows * (k + 1)
-        positions relative to a plain step's over its rows (`positions_cost`)."""
-        rows = max(self._active_rows, 1)
-        return self.positions_cost(rows * (k + 1)) / self.positions_cost(rows)
-
-    def positions_cost(self, n: int) -> float:
-        """A forward over `n` positions relative to one: one position is a plain step (on a CPU a matrix-vector
-        product, several a matrix product, which costs twice as much per weight read: `jump`), then `slope` per
-        extra position; from `knee` positions on at least in proportion to positions (compute-bound)."""
-        return 1.0 if n <= 1 else max(self.jump + self.slope * (n - 2), n / self.knee)
-
-    def round_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
-        """R(k): the verification, beside (or after) the draft's round, the loop's overhead and the expected backup
-        time of a miss; a plain step has neither draft work nor lookups (the draft pauses when plain steps win)."""
-        verify = self.verify_seconds(k, measured)
-        if verify is None:
-            return None
-        if k == 0:
-            return verify + max(self.overhead.value or 0.0, 0.0)
-        draft = self.draft_seconds()
-        body = max(verify, draft) if self.concurrent else verify + draft
-        miss = (1 - (self.hit_rate.value if self.hit_rate.value is not None else 1.0)) * (self.backup.value or 0.0)
-        return body + max(self.overhead.value or 0.0, 0.0) + miss
-
-    def draft_seconds(self) -> float:
-        """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
-        at_budget = self.fanout.draft.get(self.fanout.current)
-        return at_budget if at_budget is not None else self.draft.value or 0.0
 
     # --- the decision ------------------------------------------------------------------------------------------
     def choose(self, limit: int, rows: int = 1, confidence: list | None = None) -> int:
