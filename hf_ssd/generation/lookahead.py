@@ -9,8 +9,8 @@ round time, from what this run has measured:
   round also gives a free sample one position beyond what it verified when everything verified was accepted (the
   target's distribution there is known: it drew the bonus from it), so a K = 0 round still measures a_1, which is
   how the policy returns to speculation when the text becomes predictable.
-* R(K) = the round's time: the target's verification over K+1 positions, T_v(K), measured online per K at the
-  current context (recent rounds weigh most); an unmeasured K >= 1 is guessed optimistically (as cheap as the
+* R(K) = the round's time (`costs.py`): the target's verification over K+1 positions, T_v(K), measured online per
+  K at the current context (recent rounds weigh most); an unmeasured K >= 1 is guessed optimistically (as cheap as the
   measured K below it, or in proportion to positions from the one above), and the plain step (K = 0) is scaled
   by the prior shape `shape` (on a CPU one position is a matrix-vector product and several a matrix product: a
   jump of 2x, then +0.1 per position; on a GPU and with packed CPU kernels 1.02x + 0.02; over a batch's rows x
