@@ -225,11 +225,15 @@ def test_adaptive_prediction_over_the_rounds_the_policy_chose():
     timed = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"0": [10, 0, 10.0, 230.0], "4": [10, 0, 45.0, 450.0]},
                                 every, 70.0, 12.0)  # verifications as the run timed them at its contexts
     assert timed["ssd_tok_s"] == pytest.approx(1e3 * (10 + 45.0) / (10 * 242.0 + 10 * (450.0 + 4 * 70.0 + 12.0)))
+    split = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [10, 0, 45.0]}, every, 70.0, 12.0,
+                                serial_fixed_ms=90.0)  # the first token with its feed forward, then a step each
+    assert split["ssd_tok_s"] == pytest.approx(1e3 * 4.5 / (500.0 + 90.0 + 3 * 70.0 + 12.0))
     runs = [{"lookahead_decisions": [{"k": 2, "serial_draft_ms_per_token": 60.0, "overhead_ms": 4.0},
-                                     {"k": 2, "serial_draft_ms_per_token": 80.0, "overhead_ms": 6.0}]},
+                                     {"k": 2, "serial_draft_ms_per_token": 80.0, "serial_draft_ms_fixed": 95.0,
+                                      "overhead_ms": 6.0}]},
             {"lookahead_decisions": [{"k": 0, "overhead_ms": 10.0, "draft_ms": 300.0}]}]
-    assert measured_round_costs(runs) == {"serial_draft_ms_per_token": 80.0, "round_overhead_ms": 8.0,
-                                          "draft_round_ms": 300.0}
+    assert measured_round_costs(runs) == {"serial_draft_ms_per_token": 80.0, "serial_draft_ms_fixed": 95.0,
+                                          "round_overhead_ms": 8.0, "draft_round_ms": 300.0}
     # the draft's round as the drafter timed it (beside the verification: its contention included) replaces the
     # probe's glue + K tree steps (50 + 4 x 40 = 210 ms)
     drafted = adaptive_prediction(lat, stats, 4, 8, "draft", "x", {"4": [0, 10, 45.0]}, draft_round_ms=1200.0)

@@ -130,8 +130,9 @@ def test_cost_curve_from_what_was_measured(clock):
     """An unmeasured K is guessed optimistically, so that it gets tried when it might be best: as cheap as the
     measured K below it (the lower bound of a rising curve), or in proportion to positions from the nearest one
     above; a plain step (K = 0), whose cost on a CPU is of another kind (one position: a matrix-vector product), is
-    scaled by the prior shape until it is measured itself. Measured values are kept as measured, a non-monotone
-    curve included."""
+    scaled by the prior shape until it is measured itself. Measured values are kept as measured where they rise with
+    K; a deeper K measured cheaper than a shallower one is pooled with it (weighted by the samples each holds), since
+    the noise of single timings, not the curve, makes most such dips."""
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE)
     _measured(policy, {3: 0.030})
     assert policy.verify_seconds(0) == pytest.approx(0.030 / (2.0 + 0.1 * 2))
@@ -147,9 +148,12 @@ def test_cost_curve_from_what_was_measured(clock):
     gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE)
     _measured(gpu, {4: 0.030})
     assert gpu.verify_seconds(0) == pytest.approx(0.030 / (1.02 + 0.02 * 3))
-    _measured(gpu, {2: 0.050})  # a non-monotone curve (3 positions slower than 5, as oneDNN does): kept as measured
-    assert gpu.verify_seconds(3) == pytest.approx(0.050) and gpu.verify_seconds(2) == pytest.approx(0.050)
-    assert gpu.verify_seconds(4) == pytest.approx(0.030) and gpu.verify_seconds(1) == pytest.approx(0.050 * 2 / 3)
+    _measured(gpu, {2: 0.050})  # a non-monotone curve (3 positions slower than 5): pooled, one sample each
+    assert gpu.verify_seconds(2) == pytest.approx(0.040) and gpu.verify_seconds(4) == pytest.approx(0.040)
+    assert gpu.verify_seconds(3) == pytest.approx(0.040) and gpu.verify_seconds(1) == pytest.approx(0.040 * 2 / 3)
+    gpu.verify[4].add(0.030)  # K = 4 now holds 1.5 samples' worth (decay 0.5), K = 2 one: pooled by weight
+    assert gpu.verify_seconds(2) == pytest.approx((0.050 + 1.5 * 0.030) / 2.5)
+    assert gpu.verify[2].value == pytest.approx(0.050)  # the measurement itself is kept; only the fit pools
 
 
 def test_a_cheap_step_of_the_cost_curve_is_found(clock):
@@ -219,6 +223,40 @@ def test_serial_rounds_where_the_target_scales_with_cores(clock):
     rounds = _drive_modes(off, 12, concurrent_ms=lambda k: 441.0, serial_ms=lambda k: 270.0, plain_ms=245.0,
                           draft_ms=270.0, jit_ms=55.0, clock=clock)
     assert all(mode != "serial" for _, mode in rounds)  # a draft on its own device: never serial
+
+
+def test_serial_drafting_costs_a_fixed_part_and_a_step_per_token(clock):
+    """A serial speculation's drafting: the forward that feeds the committed tokens brings its first token, each
+    further one costs a step. The two are measured apart (a per-token average over short speculations carries the
+    fixed part, which made deep ones look dear and stopped drafting early); n tokens cost fixed + (n - 1) steps, and
+    the stop rule prices a further token at one step."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True, confidence=True)
+    policy.choose(4)
+    policy.observe_round(0.1, DraftTimings(), 0, 0)  # the first round (the prefill): nothing timed
+    five = DraftTimings(serial_calls=1, serial_seconds=0.030 + 4 * 0.010, serial_tokens=5, serial_steps=4,
+                        serial_step_seconds=0.040)
+    policy.choose(4)
+    policy.observe_round(0.1, five, 0, 0)
+    assert policy.serial_fixed.value == pytest.approx(0.030) and policy.serial_token.value == pytest.approx(0.010)
+    assert policy.serial_drafting_seconds(1) == pytest.approx(0.030)
+    assert policy.serial_drafting_seconds(5) == pytest.approx(0.070)
+    assert policy.serial_length.value == pytest.approx(5.0)
+    one = DraftTimings(serial_calls=2, serial_seconds=five.serial_seconds + 0.040, serial_tokens=6, serial_steps=4,
+                       serial_step_seconds=0.040)  # a one-token speculation: its whole time is the fixed part
+    policy.choose(4)
+    policy.observe_round(0.1, one, 0, 0)
+    assert policy.serial_fixed.value == pytest.approx(0.7 * 0.030 + 0.3 * 0.040)
+    assert policy.serial_token.value == pytest.approx(0.010)
+    policy.serial, policy._rate = 4, 5.0  # a serial round at 5 tokens/s, no cost curve measured: no extra position
+    policy.serial_verify.clear()
+    assert policy.stop_rule().gain == pytest.approx(5.0 * 0.010)
+    untimed = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, serial=True)
+    untimed.choose(4)
+    untimed.observe_round(0.1, DraftTimings(), 0, 0)
+    untimed.choose(4)  # a drafter that does not time its steps: the average per token, for every token
+    untimed.observe_round(0.1, DraftTimings(serial_calls=1, serial_seconds=0.060, serial_tokens=3), 0, 0)
+    assert untimed.serial_fixed.value is None and untimed.serial_drafting_seconds(4) == pytest.approx(0.080)
 
 
 def test_a_plain_step_is_tried_when_it_might_win(clock):

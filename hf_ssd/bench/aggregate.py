@@ -143,14 +143,16 @@ def aggregate_ssd_metrics(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str
 def measured_round_costs(metrics_list: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
     """What the lookahead policy measured of its rounds (the last estimate of each run, averaged over runs): the
     draft's cost per token drafted just in time after a verification it sat out (`serial_draft_ms_per_token`: a
-    draft step plus the drafter's own work per token), the loop's overhead per round (`round_overhead_ms`) and the
-    draft's round beside a verification (`draft_round_ms`: glue and tree, as the drafter timed its prepares); None
-    where no run measured it."""
+    draft step plus the drafter's own work per token after the first; `serial_draft_ms_fixed`: the first token with
+    the forward feeding the committed tokens and the bookkeeping), the loop's overhead per round
+    (`round_overhead_ms`) and the draft's round beside a verification (`draft_round_ms`: glue and tree, as the
+    drafter timed its prepares); None where no run measured it."""
     def last(m, key):
         return next((d[key] for d in reversed(m.get("lookahead_decisions") or []) if d.get(key)), None)
 
     out = {}
-    names = {"serial_draft_ms_per_token": "serial_draft_ms_per_token", "overhead_ms": "round_overhead_ms",
+    names = {"serial_draft_ms_per_token": "serial_draft_ms_per_token",
+             "serial_draft_ms_fixed": "serial_draft_ms_fixed", "overhead_ms": "round_overhead_ms",
              "draft_ms": "draft_round_ms"}
     for key, name in names.items():
         values = [v for v in (last(m, key) for m in metrics_list) if v is not None]

@@ -117,7 +117,8 @@ def _backup_kind(backup: str) -> str:
 def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, label: str,
                         mix: Mapping[str, Sequence] | None = None, lat_all=None,
                         serial_token_ms: float | None = None, overhead_ms: float | None = None,
-                        draft_round_ms: float | None = None) -> dict[str, Any]:
+                        draft_round_ms: float | None = None, serial_fixed_ms: float | None = None
+                        ) -> dict[str, Any]:
     """The speed model for a run whose rounds verify K = 0..K_max (`lookahead_schedule="adaptive"`): SD and AR as
     usual at K_max; SSD over the rounds the policy chose, `mix` (`rounds_by_lookahead`: per K, rounds with the
     draft paused / working and the tokens they brought): tokens Σ n_K·E(K) over time Σ n_K·R(K), with R(K) the
@@ -126,7 +127,8 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
     plain step (K = 0) is one target step on every core (`lat_all`: latencies on the draft's and the target's
     threads together; `lat` if not given), beside the draft's probe (a glue and one tree step) when the draft
     worked; a serial round (K > 0, the draft paused) is a verification on every core plus K tokens drafted just in
-    time (`serial_token_ms`, as the run measured them: a draft step and the drafter's own work; else a draft step).
+    time (`serial_token_ms` per token after the first and `serial_fixed_ms` for the first with the forward feeding
+    the committed tokens, as the run measured them; else a draft step per token).
     Where the mix gives the mean forward of the paused rounds at K (timed by the run at the contexts its prompts
     reached, on every core with nothing beside it), that is their verification; otherwise `lat_all`'s.
     `overhead_ms`, the loop's overhead per round as the run measured it, replaces the latencies' where given, and
@@ -172,7 +174,8 @@ def adaptive_prediction(lat, stats, lookahead: int, budget: int, backup: str, la
             if measured is not None and paused + working:
                 e = measured / (paused + working)
             round_ms = at_k["breakdown_ms"]["ssd_mean_round"]
-            serial_ms = (timed if timed is not None else every.verify(k)) + k * per_token + lat.round_overhead_ms
+            drafting = k * per_token if serial_fixed_ms is None else serial_fixed_ms + (k - 1) * per_token
+            serial_ms = (timed if timed is not None else every.verify(k)) + drafting + lat.round_overhead_ms
             tokens += (paused + working) * e
             seconds += working * round_ms + paused * serial_ms
             breakdown[key] = {"rounds": [paused, working], "E": e, "round_ms": [serial_ms, round_ms]}
@@ -219,7 +222,7 @@ def predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[Meth
                 pred = adaptive_prediction(lat, stats, settings.lookahead, settings.budget, backup, label,
                                            ssd.get("rounds_by_lookahead"), lat_all,
                                            ssd.get("serial_draft_ms_per_token"), ssd.get("round_overhead_ms"),
-                                           ssd.get("draft_round_ms"))
+                                           ssd.get("draft_round_ms"), ssd.get("serial_draft_ms_fixed"))
             else:
                 pred = predict(lat, stats, settings.lookahead, settings.budget, backup, label=label)
             for m in methods:

@@ -77,6 +77,10 @@ class DraftTimings:
     serial_seconds: float = 0.0  # speculations drafted after a verification the draft sat out (see `resolve`)
     serial_tokens: int = 0  # tokens those drafted per row
     backup_tokens: int = 0  # tokens the just-in-time draft backups drafted per row
+    # of `serial_seconds`: the single-token forwards after the first token (which comes with the forward that feeds
+    # the committed tokens): what one more token costs, apart from the fixed cost of a serial speculation
+    serial_steps: int = 0
+    serial_step_seconds: float = 0.0
 
 
 @dataclass
@@ -548,8 +552,12 @@ class SaguaroCandidateGenerator(CandidateGenerator):
             self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
             return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
         every = torch.ones(len(keep_rows), dtype=torch.bool, device=self.device)
+        fed = time.perf_counter()
         tokens, probs, tops, confidence = self._draft_just_in_time(every, serial, "serial", first=first,
                                                                    stop=stop)
+        if first is not None and tokens.shape[1] > 1:  # the steps: one forward per token after the first
+            self.timings.serial_steps += tokens.shape[1] - 1
+            self.timings.serial_step_seconds += time.perf_counter() - fed
         self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i],
                                          confidence=None if confidence is None else confidence[i])
                              for i in range(len(keep_rows))]

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .estimates import non_decreasing
+
 # Bin edges over [0, 1]: finer near 1, where most of a good draft's tokens fall and acceptance changes fastest.
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 DECAY = 0.98  # per round that brings samples: the pair's calibration moves slowly with the text
@@ -73,25 +75,13 @@ class ConfidenceCalibration:
         priors = self.prior if prior is None else [prior] * len(self.prior)
         values = [(p + m * w) / (r + w) for p, r, m in zip(self.passed, self.reached, priors)]
         weights = [r + w for r in self.reached]
-        return _non_decreasing(values, weights)
+        return non_decreasing(values, weights)
 
     def acceptance(self, confidence: torch.Tensor, table: list[float] | None = None) -> torch.Tensor:
         """f(c) for a tensor of confidences (float32, same shape)."""
         table = self.table() if table is None else table
         lookup = torch.tensor(table, dtype=torch.float32, device=confidence.device)
         return lookup[bin_of(confidence)]
-
-
-def _non_decreasing(values: list[float], weights: list[float]) -> list[float]:
-    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values, weights):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            v2, w2, n2 = blocks.pop()
-            v1, w1, n1 = blocks.pop()
-            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    return [v for v, _, n in blocks for _ in range(n)]
 
 
 def expected_tokens_per_row(acceptance: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ measured, a prior shape of the verification cost curve. See `lookahead.py` for t
 from __future__ import annotations
 
 from ..packing import PackedLinear
+from .estimates import non_decreasing
 
 # Priors of the verification cost curve's shape (jump, slope, knee: see `LookaheadPolicy.shape`), only until
 # measured. Measured on 2-core CPUs with MKL's fp32 kernels (Qwen 1.5B: 2 positions 2.0-2.3x one, each further one
@@ -27,16 +28,18 @@ def prior_cost_shape(model) -> tuple[float, float, float]:
 
 class RoundCosts:
     """R(K) and T_v(K) for `LookaheadPolicy` (a mixin: it reads the policy's measurements — `verify`,
-    `serial_verify`, `serial_token`, `backup`, `draft`, `overhead`, `hit_rate`, `fanout` — and its setting —
-    `k_max`, `concurrent`, `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` / `knee`)."""
+    `serial_verify`, `serial_token`, `serial_fixed`, `backup`, `draft`, `overhead`, `hit_rate`, `fanout` — and its
+    setting — `k_max`, `concurrent`, `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` /
+    `knee`)."""
 
     def times(self) -> dict[int, float]:
-        """T_v per K known now: this call's measurements over the remembered ones (scaled to this call)."""
-        return {**self._remembered(), **{n: e.value for n, e in self.verify.items()}}
+        """T_v per K known now: this call's measurements over the remembered ones (scaled to this call), fitted
+        non-decreasing in K >= 1 (`_monotone`)."""
+        return _monotone(self._remembered(), self.verify)
 
     def serial_times(self) -> dict[int, float]:
         """T_v per K >= 1 of verifications the draft sat out (on every core), as `times`."""
-        return {**self._remembered(serial=True), **{n: e.value for n, e in self.serial_verify.items()}}
+        return _monotone(self._remembered(serial=True), self.serial_verify)
 
     def serial_verify_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
         """T_v(k) on every core with the draft idle: measured; else along the measured serial ones as
@@ -56,16 +59,26 @@ class RoundCosts:
         return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
 
     def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
-        """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core:
-        per token as measured, else as a backup's or a tree step's), and the loop's overhead."""
+        """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core,
+        `serial_drafting_seconds`), and the loop's overhead."""
         verify = self.serial_verify_seconds(k, table, serial)
         if verify is None:
             return None
-        per_token = self.serial_token.value
-        if per_token is None:
-            per_token = (self.backup.value / self.k_max if self.backup.value is not None
-                         else (self.draft.value or 0.0) / (self.k_max + 1))
-        return verify + k * per_token + max(self.overhead.value or 0.0, 0.0)
+        return verify + self.serial_drafting_seconds(k) + max(self.overhead.value or 0.0, 0.0)
+
+    def serial_drafting_seconds(self, n: float) -> float:
+        """A serial speculation of n tokens drafted just in time: its fixed cost (the committed tokens fed with the
+        first token's forward, the cache's compaction, the bookkeeping) and a step per further token, as measured;
+        until then, per token as measured on average, else as a backup's or a tree step's."""
+        step = self.serial_token.value
+        fixed = self.serial_fixed.value
+        if step is None or fixed is None:
+            per_token = step or fixed
+            if per_token is None:
+                per_token = (self.backup.value / self.k_max if self.backup.value is not None
+                             else (self.draft.value or 0.0) / (self.k_max + 1))
+            return n * per_token
+        return fixed + max(n - 1.0, 0.0) * step
 
     def verify_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
         """T_v(k): measured (in this call, or in earlier ones on this target: `LookaheadMemory`, scaled to this
@@ -74,7 +87,8 @@ class RoundCosts:
 
         An unmeasured K >= 1 costs what the largest measured K below it costs (the curve's lower bound if it rises;
         on CPUs it rises in steps — 1-3 positions cost the same with AVX-512, 4-5 twice that — and is not even
-        monotone with oneDNN, so nothing between measured points is assumed dearer than its lower neighbour; past
+        monotone with oneDNN, so nothing between measured points is assumed dearer than its lower neighbour; the
+        measured ones are fitted non-decreasing first, `_monotone`); past
         K_max, where no K is explored, it rises from there by the prior shape `shape`); with
         none measured below it, the nearest measured one above scaled down in proportion to positions. The plain
         step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones scaled by
@@ -140,3 +154,24 @@ class RoundCosts:
         """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
         at_budget = self.fanout.draft.get(self.fanout.current)
         return at_budget if at_budget is not None else self.draft.value or 0.0
+
+
+def _monotone(remembered: dict[int, float], measured: dict) -> dict[int, float]:
+    """T_v per K: `measured` (K -> `_Ema`) over `remembered`, the K >= 1 ones replaced by their weighted
+    non-decreasing fit (each measured K weighs the samples its mean holds, a remembered one as one sample).
+
+    A single verification's time is noisy (±15-25 % on a shared 2-core machine, more than the curve rises between
+    neighbouring K), and each K is timed only when chosen: per-K means alone made a deeper K look cheaper than a
+    shallower one by chance, and the choice of K followed the noise. A verification over more positions never has
+    to cost less (where one truly does, pooling costs nothing: the deeper K then wins on tokens either way), so
+    neighbours that disagree are pooled. The plain step (K = 0) stands apart: one position is a different kernel."""
+    times = dict(remembered)
+    weights = {n: 1.0 for n in remembered}
+    for n, ema in measured.items():
+        if ema.value is not None:
+            times[n], weights[n] = ema.value, max(ema.weight, 1.0)
+    several = sorted(n for n in times if n >= 1)
+    if len(several) > 1:
+        fitted = non_decreasing([times[n] for n in several], [weights[n] for n in several])
+        times.update(zip(several, fitted))
+    return times

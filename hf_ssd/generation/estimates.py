@@ -1,6 +1,7 @@
 """What the lookahead policy estimates from a run and remembers across runs: acceptance per draft position
 (`AcceptanceTracker`), verification times per K and each draft's pooled acceptance per target (`LookaheadMemory`),
-decayed means (`_Ema`), and E(K), the tokens a round verifying K draft tokens yields (`expected_tokens`)."""
+decayed means (`_Ema`), E(K), the tokens a round verifying K draft tokens yields (`expected_tokens`), and the
+weighted non-decreasing fit both the confidence calibration and the verification cost curve use (`non_decreasing`)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,27 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
     return total
 
 
+def non_decreasing(values: list[float], weights: list[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [v for v, _, n in blocks for _ in range(n)]
+
+
 class _Ema:
+    """A decayed mean; `weight` is how many samples' worth it holds (1 + decay + decay^2 + ...)."""
+
     def __init__(self, decay: float):
-        self.decay, self.value = decay, None
+        self.decay, self.value, self.weight = decay, None, 0.0
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+        self.weight = self.decay * self.weight + 1.0
 
 
 class AcceptanceTracker:

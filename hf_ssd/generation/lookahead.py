@@ -117,7 +117,8 @@ class LookaheadPolicy(RoundCosts):
         self._active_rows = 1
         self.verify = {}  # K -> _Ema of the target forward seconds (K = 0: a plain step, on every core)
         self.serial_verify = {}  # K >= 1 -> _Ema of a verification on every core while the draft sits it out
-        self.serial_token = _Ema(COST_DECAY)  # seconds per token drafted just in time, on every core
+        self.serial_token = _Ema(COST_DECAY)  # seconds per further token drafted just in time, on every core
+        self.serial_fixed = _Ema(COST_DECAY)  # seconds of a serial speculation's fixed part and first token
         self.serial_length = _Ema(COST_DECAY)  # tokens a serial round drafts (fewer than asked where it stops early)
         self.backup_token = _Ema(COST_DECAY)  # seconds per token of the draft backup (beside the target)
         # the cost curve's prior shape, only until measured (see `shape`); no knee given: never compute-bound
@@ -381,7 +382,7 @@ class LookaheadPolicy(RoundCosts):
         if verify is None:
             return None
         drafted = self.serial_length.value if self.serial_length.value is not None else self.k_max
-        return verify + drafted * (self.serial_token.value or 0.0) + max(self.overhead.value or 0.0, 0.0)
+        return verify + self.serial_drafting_seconds(drafted) + max(self.overhead.value or 0.0, 0.0)
 
     def just_in_time(self) -> tuple[int, StopRule | None]:
         """(tokens the draft drafts just in time after this verification, where it stops early): a serial round's
@@ -429,6 +430,7 @@ class LookaheadPolicy(RoundCosts):
             entry["serial_verify_ms"] = {
                 n: round(1e3 * (self.serial_verify_seconds(n, table, serial) or 0.0), 2) for n in serial_speeds}
             entry["serial_draft_ms_per_token"] = round(1e3 * (self.serial_token.value or 0.0), 2)
+            entry["serial_draft_ms_fixed"] = round(1e3 * (self.serial_fixed.value or 0.0), 2)
         self.trace.append(entry)
 
     # --- what a round measured ---------------------------------------------------------------------------------
@@ -508,8 +510,17 @@ class LookaheadPolicy(RoundCosts):
             tokens = timings.serial_tokens - previous.serial_tokens
             serial_now = timings.serial_seconds - previous.serial_seconds
             if tokens > 0:
-                self.serial_token.add(serial_now / tokens)
-                self.serial_length.add(tokens / max(timings.serial_calls - previous.serial_calls, 1))
+                calls = max(timings.serial_calls - previous.serial_calls, 1)
+                steps = timings.serial_steps - previous.serial_steps
+                step_seconds = timings.serial_step_seconds - previous.serial_step_seconds
+                if steps > 0:  # the marginal token apart from the fixed part (the feed forward, compaction)
+                    self.serial_token.add(step_seconds / steps)
+                    self.serial_fixed.add((serial_now - step_seconds) / calls)
+                elif tokens == calls:  # one token each: the fixed part alone
+                    self.serial_fixed.add(serial_now / calls)
+                else:  # a drafter that does not time its steps: per token on average
+                    self.serial_token.add(serial_now / tokens)
+                self.serial_length.add(tokens / calls)
             backup_tokens = timings.backup_tokens - previous.backup_tokens
             if backup_tokens > 0:
                 self.backup_token.add(backup_now / backup_tokens)

@@ -130,10 +130,10 @@ class ProcessExecutor(DraftExecutor):
         return _Pending(self, seq, lambda: self._speculations(slot, count))
 
     def timings(self) -> DraftTimings:
-        calls, seconds, backup_calls, backup_seconds, serial_calls, serial_seconds, serial_tokens, backup_tokens, _ = (
-            self.buffers.stats.tolist())
+        (calls, seconds, backup_calls, backup_seconds, serial_calls, serial_seconds, serial_tokens, backup_tokens,
+         serial_steps, serial_step_seconds, _) = self.buffers.stats.tolist()
         return DraftTimings(int(calls), seconds, int(backup_calls), backup_seconds, int(serial_calls), serial_seconds,
-                            int(serial_tokens), int(backup_tokens))
+                            int(serial_tokens), int(backup_tokens), int(serial_steps), serial_step_seconds)
 
     def finish(self):
         self._stop_in_flight()

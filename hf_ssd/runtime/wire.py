@@ -26,8 +26,8 @@ REPLY = struct.Struct("<4q")
 
 BACKUPS = ("draft", "ngram", "random")  # backup codes in a RESOLVE request
 # `RoundBuffers.stats`: the drafter's `DraftTimings` (prepare calls, seconds; backup calls, seconds; serial calls,
-# seconds, tokens; backup tokens) and the worker's busy seconds
-STATS = 9
+# seconds, tokens; backup tokens; serial steps, their seconds) and the worker's busy seconds
+STATS = 11
 STOP_RULE_SIZE = 1 + len(EDGES) + 1  # gain, then f per confidence bin
 
 # The worker's control block, written by the parent between pipe messages and read by the worker between forwards.

@@ -171,7 +171,8 @@ class _Server:
         t = session.drafter.timings
         session.buffers.stats.copy_(torch.tensor(
             [t.prepare_calls, t.prepare_seconds, t.backup_calls, t.backup_seconds, t.serial_calls, t.serial_seconds,
-             t.serial_tokens, t.backup_tokens, session.busy], dtype=torch.float64
+             t.serial_tokens, t.backup_tokens, t.serial_steps, t.serial_step_seconds, session.busy],
+            dtype=torch.float64
         ))
 
     def _check(self, generation: int) -> None:
