@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -356,3 +357,62 @@ def test_no_orphan_after_the_interpreter_ends(how, tmp_path):
     while marked_processes(mark) and time.time() < deadline:
         time.sleep(0.05)
     assert marked_processes(mark) == [], f"a worker outlived its parent ({how})"
+
+
+class _FakeWorker:
+    """Records the requests sent; answers each with the next queued reply, counting the replies read."""
+
+    def __init__(self, replies):
+        from hf_ssd.runtime import wire
+
+        self.control = wire.shared_control()
+        self.sent, self.replies, self.read = [], list(replies), 0
+
+    def send(self, op, generation, a=0, b=0, c=0, payload=None, d=0):
+        self.sent.append((op, a, b, c, d))
+
+    def receive(self, timeout, what):
+        self.read += 1
+        return self.replies.pop(0)
+
+
+def _executor(replies):
+    from hf_ssd.runtime import wire
+    from hf_ssd.runtime.executor import DraftRequest
+    from hf_ssd.runtime.process import ProcessExecutor
+
+    request = DraftRequest(SSDConfig(lookahead=3).to_dict(), False, [], VOCAB, 0, 1, 1)
+    executor = ProcessExecutor(SimpleNamespace(device=torch.device("cpu")), request)
+    executor.worker = _FakeWorker(replies)
+    executor.buffers = wire.RoundBuffers.allocate(2, 3, None, torch.device("cpu"))
+    return executor
+
+
+def test_a_plain_steps_resolve_is_not_waited_for_and_its_fault_still_surfaces():
+    """After a plain step the draft sat out (prepare of depth 0, nothing drafted just in time) the resolve's result
+    is known: empty speculations, returned at once; the worker's reply is read before the shared outcome buffers
+    are written again (the next announcement), and an error in it is raised there, in the caller."""
+    from hf_ssd.runtime import wire
+
+    ok = (wire.OK, 0, wire.RESOLVE, None)
+    executor = _executor([(wire.OK, 0, wire.PREPARE, None), ok])
+    executor.prepare(0, 0, 1).result()
+    resolutions = executor.resolve([0, 0], [5, 6], 0, [0, 1], "draft").result()
+    assert executor.worker.read == 1  # the prepare's reply only
+    assert [(r.speculation.tokens.numel(), r.speculation.source, r.hit, r.looked_up) for r in resolutions] == [
+        (0, "plain", False, False)] * 2
+    executor.announce([0, 0], [7, 8])
+    assert executor.worker.read == 2 and executor.buffers.outcomes[:2].tolist() == [[0, 7], [0, 8]]
+    # a serial round (or one whose draft worked beside the verification) is waited for as ever
+    executor.worker.replies += [(wire.OK, 0, wire.PREPARE, None), ok]
+    executor.prepare(0, 0, 1).result()
+    executor.resolve([0, 0], [7, 8], 0, [0, 1], "draft", serial=2).result()
+    assert executor.worker.read == 4
+
+    boom = (wire.ERROR, 0, wire.RESOLVE, (DraftBoom("resolve failed"), "DraftBoom: resolve failed", "traceback"))
+    failing = _executor([(wire.OK, 0, wire.PREPARE, None), boom])
+    failing.prepare(0, 0, 1).result()
+    failing.resolve([0, 0], [5, 6], 0, [0, 1], "draft").result()  # known: returns
+    with pytest.raises(DraftBoom, match="resolve failed"):
+        failing.announce([0, 0], [7, 8])
+    assert failing.buffers.outcomes[:2].tolist() == [[0, 5], [0, 6]]  # nothing overwritten

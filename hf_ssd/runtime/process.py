@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..cache.speculation_cache import NOT_LOOKED_UP, Speculation
+from ..cache.speculation_cache import NOT_LOOKED_UP, PLAIN, Speculation
 from ..config import SSDConfig
 from ..generation.candidate_generator import DraftTimings, Resolution
 from . import wire
@@ -37,6 +37,16 @@ class _Pending:
         return self.build()
 
 
+class _Known:
+    """A result known without the worker's reply (which is read later, in order, with the next one awaited)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value
+
+
 class ProcessExecutor(DraftExecutor):
     """Runs one generation's drafter in a pooled worker process."""
 
@@ -53,6 +63,8 @@ class ProcessExecutor(DraftExecutor):
         self._sent = 0  # requests sent this generation
         self._answered = 0  # replies read
         self._report = None
+        self._depth: int | None = None  # the last prepare's depth (0: the draft sat the verification out)
+        self._deferred = 0  # a resolve whose reply is read later: its result was known (see `resolve`)
 
     def start(self) -> None:
         self.worker, self.start_seconds, self.load_seconds = POOL.acquire(self.draft_model, self.request.draft_threads)
@@ -108,15 +120,22 @@ class ProcessExecutor(DraftExecutor):
 
     def prepare(self, verified: int, depth: int, budget: int):
         self.round += 1
+        self._depth = depth
         return _Pending(self, self._send(wire.PREPARE, self.round, verified, depth, d=budget), lambda: None)
 
     def announce(self, accepted, bonus) -> None:
+        self._await(self._deferred)  # the worker has read the last outcomes before they are overwritten
         n = len(accepted)
         self.buffers.outcomes[:n, 0] = torch.tensor(accepted)
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
         self.worker.control[wire.ANNOUNCED] = wire.announcement(self.generation, self.round)
 
     def resolve(self, accepted, bonus, verified, keep_rows, backup, serial=0, stop=None):
+        """As `DraftExecutor.resolve`; after a plain step the draft sat out (a prepare of depth 0, nothing drafted
+        just in time) the result is known — an empty speculation per kept row — so the reply is not waited for:
+        the worker commits the outcomes while the target takes its next step, and its reply (an error included)
+        is read before the shared buffers are written again, at the next round's announcement at the latest."""
+        self._await(self._deferred)
         n = len(accepted)
         self.buffers.outcomes[:n, 0] = torch.tensor(accepted)
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
@@ -127,6 +146,11 @@ class ProcessExecutor(DraftExecutor):
         if stop is not None:
             self.buffers.stop_rule.copy_(torch.tensor(stop.to_list(), dtype=torch.float64))
         seq = self._send(wire.RESOLVE, verified, wire.BACKUPS.index(backup), count, d=serial)
+        if self._depth == 0 and serial == 0:
+            self._deferred = seq
+            empty = torch.zeros(0, dtype=torch.long, device=self.draft_device)
+            return _Known([Resolution(Speculation(empty, None, PLAIN), hit=False, looked_up=False)
+                           for _ in range(count)])
         return _Pending(self, seq, lambda: self._speculations(slot, count))
 
     def timings(self) -> DraftTimings:
