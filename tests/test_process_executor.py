@@ -82,7 +82,10 @@ def test_worker_persists_and_shares_the_draft(pair, case):
     assert worker_pids() == pid  # the same worker served both calls
     assert second.worker_start_seconds == 0.0 and second.draft_load_seconds == 0.0  # nothing paid again
     assert first.executor == second.executor == "process" and second.draft_seconds > 0
-    assert set(second.draft_phase_seconds) >= {"glue_forward", "tree_forward", "prepare", "resolve", "begin"}
+    assert set(second.draft_phase_seconds) >= {"glue_forward", "prepare", "resolve", "begin"}
+    # the tree's forwards ran, or each was dropped because the verification had already announced a miss (the
+    # tiny target can finish first on a loaded machine)
+    assert "tree_forward" in second.draft_phase_seconds or second.tree_steps_skipped > 0
     # the weights were moved to shared memory once (the worker maps them), not copied per call
     assert all(p.is_shared() for p in draft.parameters())
     # a weight replaced in place is seen by the worker (shared); a replaced tensor makes the pool hand it over again
