@@ -17,6 +17,7 @@ import itertools
 import logging
 import multiprocessing.connection
 import multiprocessing.spawn
+import os
 import threading
 import time
 import weakref
@@ -82,6 +83,22 @@ def _without_main_module():
             multiprocessing.spawn.get_preparation_data = original
 
 
+@contextlib.contextmanager
+def _passive_waits():
+    """Spawn with `OMP_WAIT_POLICY=PASSIVE` unless the caller chose a policy: the worker hands work to and from the
+    caller's process every round, and OpenMP threads that spin after each parallel region (the default; the worker
+    drafts serial speculations on every core) take the core that process needs next. Read by the child at start.
+    (The caller's own process spinning matters more: it is the user's to set, see docs/usage.md.)"""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+
+
 class _DraftPickler(ForkingPickler):
     """torch's multiprocessing pickler (tensors travel as shared memory), except for quantized tensors (an int8
     draft's packed weights), which its shared-memory path cannot rebuild: they travel as their integer
@@ -131,7 +148,7 @@ class Worker:
         self.process = ctx.Process(target=worker_main, args=(child, self.control, threads), daemon=True,
                                    name=WORKER_NAME)
         start = time.perf_counter()
-        with _without_main_module():
+        with _without_main_module(), _passive_waits():
             self.process.start()
         child.close()
         self.conn = parent
