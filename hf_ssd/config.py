@@ -44,7 +44,8 @@ class SSDConfig:
             verification out, then drafts on every core, as SD does) may run while the draft stays confident (at
             least K; only with `draft_confidence` and the adaptive schedule, whose stop rule ends it where the next
             token no longer repays its cost, as transformers' `num_assistant_tokens` = 20 bounds its confident
-            drafts). Speculations prepared beside the verification stay K deep.
+            drafts). Speculations prepared beside the verification stay K deep, and so do a batch's while more
+            than one of its rows is active (the batch returns when its last row is done).
         fanout: which verification outcomes to prepare: `"geometric"` (Theorem 12, adapted online),
             `"uniform"`, or an explicit list of K+1 non-negative ints (branches per accepted length 0..K).
         fanout_budget: B, the most branches prepared per row and round (>= 1).

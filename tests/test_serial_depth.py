@@ -56,6 +56,18 @@ def test_a_serial_round_verifies_past_k_where_the_draft_is_sure():
     assert policy.choose(10, confidence=[unsure]) == 2
 
 
+def test_a_batch_of_rows_stays_within_k_and_its_last_row_runs_deep():
+    """Several rows: serial speculations stay K deep (the batch waits for its last row, and deep ones spread the
+    rows apart); one row left: as deep as its confidences pay."""
+    policy = _serial_policy(serial_lookahead=10)
+    sure = torch.full((10,), 0.99)
+    k = policy.choose(10, rows=2, confidence=[sure, sure])
+    assert policy._mode == SERIAL and k == 3, policy.trace[-1]
+    assert policy.depth(k) == 0 and policy.serial == 3
+    k = policy.choose(10, rows=1, confidence=[sure])
+    assert k > 3 and policy.depth(k) == 0 and policy.serial == 10
+
+
 def test_without_a_stop_rule_serial_drafting_stays_within_k():
     policy = _serial_policy(serial_lookahead=10)
     policy.choose(3, confidence=[torch.full((3,), 0.99)])
@@ -103,6 +115,9 @@ def test_greedy_identical_through_deep_serial_rounds(monkeypatch, arch, executor
 def test_batch_greedy_identical_through_deep_serial_rounds(monkeypatch, executor):
     _script(monkeypatch, DEEP_SCRIPT)
     _script_stops(monkeypatch, [1e-6, 0.6])
+    # the policy keeps a batch of several rows within K (`serial_depth`) and lets its last row run deep: the rows'
+    # data path serves deep speculations, here from the start
+    monkeypatch.setattr(LookaheadPolicy, "serial_depth", property(lambda self: self.k_serial))
     for metrics in batch_greedy_runs(74, 11, 30, SSDConfig(lookahead=3, max_serial_lookahead=12,
                                                            executor=executor)):
         assert max(metrics.lookahead_per_round) > 3
