@@ -88,7 +88,7 @@ def _passive_waits():
     """Spawn with `OMP_WAIT_POLICY=PASSIVE` unless the caller chose a policy: the worker hands work to and from the
     caller's process every round, and OpenMP threads that spin after each parallel region (the default; the worker
     drafts serial speculations on every core) take the core that process needs next. Read by the child at start.
-    (The caller's own process spinning matters more: it is the user's to set, see docs/usage.md.)"""
+    (The caller's own process spinning matters more: it is the user's to set, see docs/troubleshooting.md.)"""
     if "OMP_WAIT_POLICY" in os.environ:
         yield
         return
