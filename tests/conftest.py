@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,6 +48,27 @@ def tiny_model(arch: str = "llama", layers: int = 2, vocab_size: int = 96, seed:
         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, **{**extra, **overrides},
     )
     return model_cls(config).eval()
+
+
+def truncated_copy(model, vocab_size: int | None = None, layers: int | None = None):
+    """A draft made of `model`'s first `layers` layers (all when None) with its embedding and head cut (or padded) to
+    `vocab_size` rows (unchanged when None): it agrees with `model` often, as a small model of one family does, and on
+    every id both have when the layers are all kept. Built of the plain class, not `enable_ssd`'s."""
+    config = copy.deepcopy(model.config)
+    config.vocab_size = vocab_size or config.vocab_size
+    if layers is not None:
+        config.num_hidden_layers = layers
+    draft = getattr(type(model), "_ssd_base", type(model))(config)
+    own = draft.state_dict()
+    state = {k: v for k, v in model.state_dict().items() if k in own}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in state and state[name].shape != own[name].shape:
+            rows = min(config.vocab_size, state[name].shape[0])
+            padded = own[name].clone()
+            padded[:rows] = state[name][:rows]
+            state[name] = padded
+    draft.load_state_dict(state)
+    return draft.eval()
 
 
 def tiny_pair(arch: str = "llama", vocab_size: int = 96, seed: int = 0, **overrides):

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_pair
+from conftest import tiny_model, tiny_pair, truncated_copy
 from test_lookahead import _script, batch_greedy_runs, law_models, shift_just_in_time_q  # noqa: F401  (law_models: a fixture)
 from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, WARPED, exact_law, law_pvalues, ssd_samples
 
@@ -244,10 +244,7 @@ def deep_target_and_its_head() -> tuple:
         for layer in target.model.layers[2:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-    draft = tiny_model("llama", layers=2, seed=131)
-    draft.load_state_dict({k: v for k, v in target.state_dict().items()
-                           if not any(k.startswith(f"model.layers.{i}.") for i in range(2, 6))})
-    return target, draft
+    return target, truncated_copy(target, layers=2)
 
 
 def test_greedy_identical_under_the_learnt_confidence_policy():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_pair
+from conftest import tiny_model, tiny_pair, truncated_copy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,9 +92,7 @@ def test_random_draft_hits_also_verify_exactly():
 def test_layer_truncated_draft_mixes_hits_and_misses():
     """A draft that shares the target's first layer agrees partly: both paths within one generation."""
     target = enable_ssd(tiny_model("llama", layers=2, seed=7, hidden=64))
-    draft = tiny_model("llama", layers=1, seed=7, hidden=64)
-    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.1.")}
-    draft.load_state_dict(state)
+    draft = truncated_copy(target, layers=1)
     torch.manual_seed(3)
     input_ids = torch.randint(0, 96, (1, 12))
     expected = _plain(target, input_ids, 60)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
+from conftest import truncated_copy
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -51,8 +52,7 @@ def folders(tmp_path_factory):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     target = LlamaForCausalLM(config).eval()
-    draft = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})).eval()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.1.")})
+    draft = truncated_copy(target, layers=1)
     tokenizer = word_tokenizer()
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(root / name)

@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, truncated_copy
 from test_sampling_law import ALPHA, NEW_TOKENS, PROMPT, TEMPERATURE, law_pvalues
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -24,24 +24,6 @@ def tokenizer(size: int, offset: int = 0) -> PreTrainedTokenizerFast:
     """A word-level tokenizer of `size` tokens ("t0", "t1", ...; `offset` renumbers them: another vocabulary)."""
     vocab = {f"t{i}": (i + offset) % size for i in range(size)}
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")))
-
-
-def truncated_copy(model, vocab_size: int, layers: int | None = None):
-    """`model` with its embedding and head cut (or padded) to `vocab_size` rows: a draft that agrees with it on
-    every id both have (as a small model of one family agrees often)."""
-    config = copy.deepcopy(model.config)
-    config.vocab_size = vocab_size
-    if layers is not None:
-        config.num_hidden_layers = layers
-    draft = getattr(type(model), "_ssd_base", type(model))(config)  # the plain class, not enable_ssd's
-    state = {k: v for k, v in model.state_dict().items() if k in draft.state_dict()}
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        rows = min(vocab_size, state[name].shape[0])
-        padded = draft.state_dict()[name].clone()
-        padded[:rows] = state[name][:rows]
-        state[name] = padded
-    draft.load_state_dict(state, strict=False)
-    return draft.eval()
 
 
 def pair(target_vocab: int, draft_vocab: int, seed: int = 0):
