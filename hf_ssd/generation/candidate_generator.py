@@ -613,5 +613,10 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         logits = None if spec.probs is None else spec.probs.log()[None]
         return candidate_ids, logits
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Tokens drafted per iteration at most (transformers >= 5.25 sizes the target cache's rollback by it)."""
+        return self.lookahead
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         self._last_accepted = int(num_matches)
