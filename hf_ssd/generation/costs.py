@@ -59,8 +59,8 @@ class RoundCosts:
         return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
 
     def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
-        """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core,
-        `serial_drafting_seconds`), and the loop's overhead."""
+        """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core
+        or the draft's own threads, as `ThreadChoice` picks: `serial_drafting_seconds`), and the loop's overhead."""
         verify = self.serial_verify_seconds(k, table, serial)
         if verify is None:
             return None

@@ -17,7 +17,7 @@ import torch
 from ..config import SSDConfig
 from ..generation.candidate_generator import SaguaroCandidateGenerator
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
-from .threads import torch_threads
+from .threads import drafted_tokens, drafting_threads, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +112,16 @@ class LocalExecutor(DraftExecutor):
 
     def resolve(self, accepted, bonus, verified, keep_rows, backup, serial: int = 0, stop=None) -> Future:
         args = (list(zip(accepted, bonus)), verified, keep_rows, backup, serial, stop)
-        if serial and self.kind != "sync":  # the target waits for this speculation: every core drafts it
-            threads = self.request.draft_threads + self.request.target_threads
+        if serial and self.kind != "sync":  # the target waits for this speculation: every core drafts it, or the
+            # draft's own threads where that is faster (`ThreadChoice`)
+            request = self.request
+            choice = drafting_threads(self.drafter.model,
+                                      (request.draft_threads + request.target_threads, request.draft_threads))
 
-            def on_all_cores(*args):
-                with torch_threads(threads):
-                    return self.drafter.resolve(*args)
+            def drafted_just_in_time(*args):
+                return choice.run(lambda: self.drafter.resolve(*args), drafted_tokens)
 
-            return self._submit(on_all_cores, *args)
+            return self._submit(drafted_just_in_time, *args)
         return self._submit(self.drafter.resolve, *args)
 
     def timings(self):

@@ -20,6 +20,7 @@ import torch
 from ..generation.confidence import StopRule
 from . import wire
 from .executor import DraftCancelled
+from .threads import drafted_tokens, drafting_threads
 
 
 class _Session:
@@ -145,14 +146,16 @@ class _Server:
         buffers, drafter = session.buffers, session.drafter
         outcomes = [tuple(row) for row in buffers.outcomes[: drafter.rows].tolist()]
         keep_rows = buffers.keep[:kept].tolist()
-        if serial:  # the target waits for this speculation: every core of this generation drafts it
-            torch.set_num_threads(session.threads)
-        try:
-            stop = StopRule.from_list(buffers.stop_rule.tolist())
-            resolutions = drafter.resolve(outcomes, verified, keep_rows, backup, serial, stop)
-        finally:
-            if serial:
-                torch.set_num_threads(session.draft_threads)
+        stop = StopRule.from_list(buffers.stop_rule.tolist())
+
+        def job():
+            return drafter.resolve(outcomes, verified, keep_rows, backup, serial, stop)
+
+        if serial:  # the target waits for this speculation: drafted on every core or on its own, whichever is faster
+            choice = drafting_threads(drafter.model, (session.threads, session.draft_threads))
+            resolutions = choice.run(job, drafted_tokens)
+        else:
+            resolutions = job()
         session.slot ^= 1
         self._write(session, [(r.speculation, r.hit) for r in resolutions])
 
