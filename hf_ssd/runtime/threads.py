@@ -53,10 +53,17 @@ class ThreadChoice:
 
     def __init__(self, candidates: tuple[int, ...], tries: int = 2, retry: int = 32, decay: float = 0.7):
         self.candidates = tuple(dict.fromkeys(c for c in candidates if c >= 1)) or (1,)
-        self.tries, self.retry, self.decay = tries, retry, decay
-        self.mean: dict[int, float] = {}
+        from ..generation.estimates import _Ema  # here: generation imports the runtime package
+
+        self.tries, self.retry = tries, retry
+        self._seconds = {count: _Ema(decay) for count in self.candidates}  # per unit of work
         self.runs: dict[int, int] = dict.fromkeys(self.candidates, 0)
         self.calls = 0
+
+    @property
+    def mean(self) -> dict[int, float]:
+        """Seconds per unit of work of each count run so far (decayed means)."""
+        return {count: ema.value for count, ema in self._seconds.items() if ema.value is not None}
 
     def pick(self) -> int:
         """The thread count for the next run."""
@@ -64,7 +71,8 @@ class ThreadChoice:
         for count in self.candidates:
             if self.runs[count] < self.tries:
                 return count
-        best = min(self.mean, key=self.mean.get)
+        mean = self.mean
+        best = min(mean, key=mean.get)
         if self.calls % self.retry == 0:  # one of the others, in turn
             others = [c for c in self.candidates if c != best]
             if others:
@@ -75,10 +83,8 @@ class ThreadChoice:
         """A run on `count` threads took `seconds` for `units` of work."""
         if units < 1 or count not in self.runs:
             return
-        value = seconds / units
         self.runs[count] += 1
-        old = self.mean.get(count)
-        self.mean[count] = value if old is None else self.decay * old + (1 - self.decay) * value
+        self._seconds[count].add(seconds / units)
 
     def run(self, job: Callable[[], object], units: Callable[[object], int]):
         """`job()` on the picked thread count (the caller's restored after), recorded with `units(result)` units of
