@@ -255,7 +255,10 @@ def test_greedy_identical_under_the_learnt_confidence_policy():
     out = target.generate(ids, assistant_model=draft, max_new_tokens=40, do_sample=False, pad_token_id=0,
                           ssd_config=SSDConfig(lookahead=4, executor="sync"))
     assert torch.equal(out, expected)
-    assert any("confident_tok_s" in e for e in target.ssd_metrics.lookahead_decisions)
+    decisions = target.ssd_metrics.lookahead_decisions
+    assert any("confident_tok_s" in e for e in decisions)
+    drafted = [e for e in decisions if "drafted" in e]  # the speculation in hand, recorded beside the K chosen
+    assert drafted and all(e["k"] <= e["drafted"] for e in drafted), decisions
 
 
 # 4 new tokens: a plain step into a serial round asking for 3 (stopping after 1, 2, all or 3), another, a concurrent

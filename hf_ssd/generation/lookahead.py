@@ -155,6 +155,8 @@ class LookaheadPolicy(RoundCosts):
         self._exploring = False
         k = self._choose(min(limit, self.serial_depth))
         self.trace[-1]["limit"] = limit
+        if confidence and all(c is not None for c in confidence):
+            self.trace[-1]["drafted"] = max(int(c.shape[0]) for c in confidence)  # the speculation in hand
         return k
 
     @property
