@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from hf_ssd.generation import lookahead as lookahead_module
+from hf_ssd.generation import probing as probing_module
 from hf_ssd.generation.candidate_generator import DraftTimings
 from hf_ssd.generation.lookahead import LookaheadPolicy
 
@@ -179,11 +180,12 @@ def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
 
 def replay(args) -> int:
     runs = json.loads(Path(args.runs).read_text())["runs"]
-    for assignment in args.set:  # a variant of the policy: one of its module's constants changed
+    for assignment in args.set:  # a variant of the policy: one of its modules' constants changed
         name, value = assignment.split("=", 1)
-        if not hasattr(lookahead_module, name):
-            raise SystemExit(f"--set {assignment}: hf_ssd.generation.lookahead has no {name}")
-        setattr(lookahead_module, name, type(getattr(lookahead_module, name))(value))
+        module = next((m for m in (lookahead_module, probing_module) if hasattr(m, name)), None)
+        if module is None:
+            raise SystemExit(f"--set {assignment}: hf_ssd.generation.lookahead and .probing have no {name}")
+        setattr(module, name, type(getattr(module, name))(value))
     profile = PROFILES[args.profile]
     memory = lookahead_module.LookaheadMemory() if args.memory else None
     by_set: dict[str, dict[str, list[float]]] = {}
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
     rep.add_argument("--no-serial", action="store_true", help="no serial rounds (the draft on its own cores)")
     rep.add_argument("--memory", action="store_true", help="one LookaheadMemory across prompts (as a bench run)")
     rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                     help="override a constant of hf_ssd.generation.lookahead (e.g. PROBE_EVERY=16)")
+                     help="override a constant of hf_ssd.generation.lookahead or .probing (e.g. PROBE_EVERY=16)")
     rep.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     return record(args) if args.command == "record" else replay(args)

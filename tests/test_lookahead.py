@@ -26,6 +26,7 @@ from test_sampling_law import (
 from hf_ssd import SSDConfig, enable_ssd
 from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
+from hf_ssd.generation import probing
 from hf_ssd.generation.candidate_generator import DraftTimings
 from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE
 from hf_ssd.generation.estimates import expected_tokens
@@ -101,8 +102,8 @@ def test_policy_falls_back_to_plain_steps_pauses_and_returns(clock):
     assert 0 in policy.verify and policy.trace[-1]["acceptance"][0] < 0.2  # samples only from probes now
     depths = [entry["depth"] for entry in policy.trace]
     probes = [i for i in range(3, len(depths)) if depths[i] == 1]
-    assert len(probes) >= 2 and probes[1] - probes[0] > lookahead_module.PROBE_EVERY  # paused, probes backing off
-    rounds = lookahead_module.PROBE_MAX + 2 * (lookahead_module.PROBE_CHAIN + 3) + 2
+    assert len(probes) >= 2 and probes[1] - probes[0] > probing.PROBE_EVERY  # paused, probes backing off
+    rounds = probing.PROBE_MAX + 2 * (probing.PROBE_CHAIN + 3) + 2
     ks = _drive(policy, rounds, accept_all=True, clock=clock)
     assert any(entry["why"] == "trial" for entry in policy.trace[30:])
     assert 0 not in ks[-4:] and ks[-1] == 4  # back to speculating, deep
@@ -307,7 +308,7 @@ def test_accepted_probes_lead_to_trials_that_back_off(clock):
     assert len(trials) >= 3 and all(ks[i] == 3 for i in trials)
     assert all(k == 0 for i, k in enumerate(ks[1:], 1) if i not in trials)  # only trials speculate
     gaps = [b - a for a, b in zip(trials, trials[1:])]
-    assert gaps[0] < gaps[-1] and gaps[-1] >= lookahead_module.PROBE_MAX
+    assert gaps[0] < gaps[-1] and gaps[-1] >= probing.PROBE_MAX
     late = [entry["depth"] for entry in policy.trace[100:]]
     assert sum(d > 0 for d in late) <= 0.2 * len(late)
 

@@ -27,7 +27,7 @@ learnt where it matters: the curve's shape differs between machines (on one 2-co
 `depth` says how deep the draft prepares the next speculations: K_max while speculating
 pays; on plain steps one token deep twice (the free sample of a_1), then not at all — the draft pauses, since on a
 CPU its memory traffic slows the target's plain step — but for one-token probes, every `PROBE_EVERY` rounds at first
-and more rarely while they find nothing (see `LookaheadPolicy.depth`). Returning from plain steps to speculation asks
+and more rarely while they find nothing (`probing.py`). Returning from plain steps to speculation asks
 for a larger promised gain than staying (`RESUME_MARGIN`). `lookahead_schedule="constant"` verifies K_max every
 round.
 """
@@ -42,6 +42,7 @@ from .budget import FanoutBudget
 from .confidence import ConfidenceCalibration, StopRule, expected_tokens_per_row
 from .costs import CPU_SHAPE, RoundCosts
 from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, _Ema, expected_tokens
+from .probing import Probing
 
 EXPLORE_WITHIN = 0.9
 # An unmeasured plain step in a batch is tried once when its guessed speed comes within this of the best: the prior
@@ -49,10 +50,6 @@ EXPLORE_WITHIN = 0.9
 # gains from the second core what a verification beside the draft does not), and one plain step costs little.
 EXPLORE_PLAIN_WITHIN = 0.5
 RETIME_AFTER = 16  # rounds after which a close competitor's cost, not measured since, is timed again
-PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
-PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds at first,
-PROBE_MAX = 32  # then, each time probing ends without speculation paying, twice as rarely (up to this)
-PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: the draft works beside it)
 # Speculation must promise this much more than plain steps before it is chosen over them: the estimates are noisy
 # and a wrong switch costs a speculative round instead of a plain step, so near a tie plain decoding wins. Returning
 # from plain steps asks more (hysteresis): the estimates then rest on probes of the first position only. Both are
@@ -132,14 +129,7 @@ class LookaheadPolicy(RoundCosts):
         self._timings = None
         self._rounds = 0
         self._timed_at: dict[tuple[bool, int], int] = {}  # (serial, K) -> the round its cost was last measured in
-        self._plain_run = 0  # plain steps chosen in a row
-        self._last_free_sample: float | None = None  # a_1's sample from the last plain step, if any
-        self._probe_chain = 0  # probes in a row after accepted ones
-        self._probe_every = PROBE_EVERY  # rounds between probes now (backs off while probing finds nothing)
-        self._since_probe = 0
-        self._trial = False  # accepted probes ask for one whole speculation next round
-        self._decisions = 0  # depth decisions so far
-        self._probes: set[int] = set()  # the decisions at which probes' samples are due
+        self.probing = Probing()  # the pause/probe/trial state between plain steps (`probing.py`)
         self._exploring = False  # this round's K was chosen to time it
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
         self._mode = CONCURRENT  # how the next speculation is made (CONCURRENT, SERIAL or PLAIN), see `depth`
@@ -170,57 +160,27 @@ class LookaheadPolicy(RoundCosts):
 
     def depth(self, k: int) -> int:
         """How many tokens deep the draft prepares the next speculations: K_max while speculating would pay (at any
-        K, had this round's speculation been long enough); otherwise 1 on the first plain steps (enough for the
+        K, had this round's speculation been long enough); 0 in a serial round (the draft sits the verification out,
+        then drafts `serial` tokens just in time); on plain steps what `Probing` says: 1 on the first ones (the
         free acceptance sample of a_1), then 0 — the draft pauses, so it does not compete with the target for the
-        machine (on a CPU its memory traffic slowed a plain step by ~20 %) — but for probes of depth 1, which is how
-        the policy returns to speculation when the text becomes predictable: one every `_probe_every` rounds, and
-        again as soon as a probe's token comes back accepted, up to `PROBE_CHAIN` more; when that many came back
-        accepted in a row the next round is a trial: the draft prepares K_max deep and the round verifies them, so
-        the deeper positions (which probes cannot reach) are measured too. Each time probing ends without
-        speculation winning (a rejected probe, a trial), probes become twice as rare (up to every `PROBE_MAX`
-        rounds) and a trial asks for one more accepted probe; speculating resets both. A probe's sample arrives two
-        decisions later (its speculation is verified in the next round, after that round's depth was chosen); only
-        that sample moves the chain. A plain step explored for its cost pauses the draft at once (its time beside a
-        working draft is not what it costs)."""
-        sample, self._last_free_sample = self._last_free_sample, None
-        decision, self._decisions = self._decisions, self._decisions + 1
-        verdict = decision in self._probes  # a probe's sample is due now (it was sent two decisions ago)
-        self._probes.discard(decision)
+        machine — but for one-token probes and trials, which are how the policy returns to speculation when the
+        text becomes predictable. A plain step explored for its cost pauses the draft at once."""
+        self.probing.decide()
         self.serial = 0
         if k == 0 and self._exploring and self._mode != SERIAL:
-            depth, self._plain_run = 0, PAUSE_AFTER  # a plain step tried for its cost: timed with the draft paused
+            depth = 0  # a plain step tried for its cost: timed with the draft paused
+            self.probing.timed_plain_step()
         elif self.trace and self.trace[-1]["why"] == "trial":
             depth = self._drafted_after(self.k_max)  # probing's counters stay: a trial that fails goes back to them
         elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
             # (with its confidence known, as deep as it stays worth it: `stop_rule`)
-            length = self.serial_depth if self.calibration is not None else self._wanted
-            depth, self.serial, self._plain_run, self._probe_chain = 0, length, 0, 0
-            self._probe_every, self._since_probe = PROBE_EVERY, 0
+            depth, self.serial = 0, self.serial_depth if self.calibration is not None else self._wanted
+            self.probing.speculating()
         elif k > 0 or not self.adaptive or self._wanted > 0:
-            depth, self._plain_run, self._probe_chain = self.k_max, 0, 0
-            self._probe_every, self._since_probe = PROBE_EVERY, 0
+            depth = self.k_max
+            self.probing.speculating()
         else:
-            self._plain_run += 1
-            self._since_probe += 1
-            chained = False
-            if verdict:
-                if sample is None or sample < 0.5:  # probing ends here and plain steps still win: probe more rarely
-                    self._probe_chain, self._probe_every = 0, min(2 * self._probe_every, PROBE_MAX)
-                elif self._probe_chain < PROBE_CHAIN + (self._probe_every // PROBE_EVERY).bit_length() - 1:
-                    self._probe_chain, chained = self._probe_chain + 1, True
-                else:  # accepted again and again: verify a whole speculation next round (twice as rare if not)
-                    self._probe_chain, self._trial = 0, True
-                    self._probe_every = min(2 * self._probe_every, PROBE_MAX)
-            if self._trial:
-                depth, self._since_probe = self.k_max, 0
-            elif self._plain_run <= PAUSE_AFTER:
-                depth = 1
-            elif chained or self._since_probe >= self._probe_every:
-                depth, self._since_probe = 1, 0
-                self._probes.add(decision + 2)
-            else:
-                depth = 0
-            depth = self._drafted_after(depth)
+            depth = self._drafted_after(self.probing.plain_depth(self.k_max))
         if self.trace:
             self.trace[-1]["depth"] = depth
             if self.serial:
@@ -308,8 +268,7 @@ class LookaheadPolicy(RoundCosts):
         self._rate = now_speeds.get(self._wanted) or speeds.get(0)
         if self._mode != PLAIN:
             best = self._confident(best, limit, within, margin, table, serial_table)
-        if self._trial:
-            self._trial = False
+        if self.probing.take_trial():
             if best == 0 and limit > 0:
                 self._mode = SERIAL if self.serial_option else CONCURRENT
                 limit = min(limit, self.k_max)
@@ -486,7 +445,7 @@ class LookaheadPolicy(RoundCosts):
             if confidence is not None:
                 self.calibration.add(confidence[n], sample)
             if n == 0:
-                self._last_free_sample = sample
+                self.probing.free_sample(sample)
 
     def observe_round(self, forward_seconds: float, timings, hits: int, lookups: int) -> None:
         """The round's target forward time, the draft's running `DraftTimings`, and the lookups it made."""

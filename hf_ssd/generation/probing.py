@@ -1,0 +1,87 @@
+"""While plain steps win: when the draft pauses, and how its one-token probes bring speculation back.
+
+On plain steps (K = 0) the draft prepares one token deep twice (enough for the free sample of a_1: the target's
+distribution at the bonus position is known, it drew the bonus from it), then pauses: on a CPU its memory traffic
+slows the target's plain step by ~20 %. While paused it drafts a one-token probe every `PROBE_EVERY` rounds, and
+again at once after an accepted one, up to `PROBE_CHAIN` more; when that many came back accepted in a row, the next
+round is a trial: the draft prepares K_max deep and the round verifies them, so the deeper positions, which probes
+cannot reach, are measured too. Each time probing ends without speculation winning (a rejected probe, a trial),
+probes become twice as rare (up to every `PROBE_MAX` rounds) and a trial asks for one more accepted probe;
+speculating resets both. A probe's sample arrives two decisions later (its speculation is verified in the next
+round, after that round's depth was chosen); only that sample moves the chain.
+
+Plain state, advanced once per depth decision (`LookaheadPolicy.depth`); nothing here looks at a model.
+"""
+
+from __future__ import annotations
+
+PAUSE_AFTER = 2  # plain steps chosen in a row before the draft pauses
+PROBE_EVERY = 8  # while paused, a probe (one drafted token, scored for free) every so many rounds at first,
+PROBE_MAX = 32  # then, each time probing ends without speculation paying, twice as rarely (up to this)
+PROBE_CHAIN = 2  # more probes right after accepted ones (each slows its round: the draft works beside it)
+
+
+class Probing:
+    """The pause/probe/trial state between plain steps (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.plain_run = 0  # plain steps chosen in a row
+        self.every = PROBE_EVERY  # rounds between probes now (backs off while probing finds nothing)
+        self.trial = False  # accepted probes ask for one whole speculation next round
+        self._free_sample: float | None = None  # a_1's sample from the last plain step, if any
+        self._chain = 0  # probes in a row after accepted ones
+        self._since = 0  # rounds since the last probe
+        self._decisions = 0  # depth decisions so far
+        self._due: set[int] = set()  # the decisions at which probes' samples are due
+        self._verdict: float | None = None  # this decision's due probe sample (-1.0: due but none came)
+
+    def free_sample(self, sample: float) -> None:
+        """a_1's free sample from a round that verified nothing (or everything it verified was accepted at K = 0)."""
+        self._free_sample = sample
+
+    def decide(self) -> None:
+        """Start a depth decision: take the last free sample, and see whether a probe's is due now."""
+        sample, self._free_sample = self._free_sample, None
+        decision, self._decisions = self._decisions, self._decisions + 1
+        due = decision in self._due
+        self._due.discard(decision)
+        self._verdict = (-1.0 if sample is None else sample) if due else None
+
+    def speculating(self) -> None:
+        """Speculation was chosen: probing starts afresh the next time plain steps win."""
+        self.plain_run, self._chain, self.every, self._since = 0, 0, PROBE_EVERY, 0
+
+    def timed_plain_step(self) -> None:
+        """A plain step tried for its cost: the draft pauses at once (its time beside a working draft is not what
+        it costs)."""
+        self.plain_run = PAUSE_AFTER
+
+    def take_trial(self) -> bool:
+        """Whether this round is the trial accepted probes asked for (asked once)."""
+        trial, self.trial = self.trial, False
+        return trial
+
+    def plain_depth(self, k_max: int) -> int:
+        """How deep the draft prepares beside a plain step: K_max for a trial, 1 on the first plain steps and for
+        a probe, else 0 (paused)."""
+        self.plain_run += 1
+        self._since += 1
+        chained = False
+        if self._verdict is not None:
+            if self._verdict < 0.5:  # probing ends here and plain steps still win: probe more rarely
+                self._chain, self.every = 0, min(2 * self.every, PROBE_MAX)
+            elif self._chain < PROBE_CHAIN + (self.every // PROBE_EVERY).bit_length() - 1:
+                self._chain, chained = self._chain + 1, True
+            else:  # accepted again and again: verify a whole speculation next round (twice as rare if not)
+                self._chain, self.trial = 0, True
+                self.every = min(2 * self.every, PROBE_MAX)
+        if self.trial:
+            self._since = 0
+            return k_max
+        if self.plain_run <= PAUSE_AFTER:
+            return 1
+        if chained or self._since >= self.every:
+            self._since = 0
+            self._due.add(self._decisions + 1)  # two decisions after this one (`decide` counted this one)
+            return 1
+        return 0

@@ -1,0 +1,62 @@
+"""The pause/probe/trial state between plain steps (`hf_ssd.generation.probing`), driven without a model."""
+
+from __future__ import annotations
+
+from hf_ssd.generation.probing import PAUSE_AFTER, PROBE_CHAIN, PROBE_EVERY, PROBE_MAX, Probing
+
+K_MAX = 4
+
+
+def _drive(probing: Probing, decisions: int, sample: float | None) -> list[int]:
+    """Depths over `decisions` plain-step decisions; every one-token depth's sample (None: none came back) arrives
+    before the decision after next, as a probe's does; a trial is taken as the policy's next round takes it."""
+    depths, pending = [], {}
+    for d in range(decisions):
+        if d in pending and pending.pop(d) is not None:
+            probing.free_sample(sample)
+        probing.decide()
+        depth = probing.plain_depth(K_MAX)
+        if depth == 1:
+            pending[d + 2] = sample
+        if depth == K_MAX:
+            assert probing.take_trial() and not probing.take_trial()  # asked once
+        depths.append(depth)
+    return depths
+
+
+def test_the_draft_pauses_after_the_first_plain_steps_and_probes_ever_more_rarely():
+    depths = _drive(Probing(), 100, None)
+    assert depths[:PAUSE_AFTER] == [1] * PAUSE_AFTER
+    probes = [d for d, depth in enumerate(depths) if depth == 1 and d >= PAUSE_AFTER]
+    assert K_MAX not in depths  # nothing accepted: no trial
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    # the first probe after PROBE_EVERY plain steps, then each rejected one doubles the interval, up to PROBE_MAX
+    assert probes[0] == PROBE_EVERY - 1
+    assert gaps == [min(PROBE_EVERY * 2 ** (i + 1), PROBE_MAX) for i in range(len(gaps))], probes
+
+
+def test_accepted_probes_chain_into_a_trial_and_a_trial_makes_probes_rarer():
+    depths = _drive(Probing(), 40, 1.0)
+    first_trial = depths.index(K_MAX)
+    chained = [d for d, depth in enumerate(depths[:first_trial]) if depth == 1 and d >= PAUSE_AFTER]
+    assert len(chained) == PROBE_CHAIN + 1  # the first probe and PROBE_CHAIN more, each right after its sample
+    assert all(b - a == 2 for a, b in zip(chained, chained[1:]))
+    assert first_trial == chained[-1] + 2
+    probing = Probing()
+    _drive(probing, first_trial + 1, 1.0)
+    assert probing.every == 2 * PROBE_EVERY  # the trial did not bring speculation back: probe more rarely
+    second = depths.index(K_MAX, first_trial + 1)
+    later = [d for d, depth in enumerate(depths[:second]) if depth == 1 and d > first_trial]
+    assert later[0] - first_trial == 2 * PROBE_EVERY
+    assert len(later) == PROBE_CHAIN + 2  # and the second trial asked for one more accepted probe
+
+
+def test_speculating_resets_the_backoff_and_a_timed_plain_step_pauses_at_once():
+    probing = Probing()
+    _drive(probing, 60, None)
+    assert probing.every == PROBE_MAX
+    probing.speculating()
+    assert probing.every == PROBE_EVERY and probing.plain_run == 0
+    probing.timed_plain_step()
+    probing.decide()
+    assert probing.plain_depth(K_MAX) == 0  # paused: the first plain steps' one-token depth is skipped
