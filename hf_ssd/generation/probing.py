@@ -33,7 +33,7 @@ class Probing:
         self._since = 0  # rounds since the last probe
         self._decisions = 0  # depth decisions so far
         self._due: set[int] = set()  # the decisions at which probes' samples are due
-        self._verdict: float | None = None  # this decision's due probe sample (-1.0: due but none came)
+        self._verdict: float | None = None  # this decision's due probe sample (None: none due)
 
     def free_sample(self, sample: float) -> None:
         """a_1's free sample from a round that verified nothing (or everything it verified was accepted at K = 0)."""
@@ -45,7 +45,7 @@ class Probing:
         decision, self._decisions = self._decisions, self._decisions + 1
         due = decision in self._due
         self._due.discard(decision)
-        self._verdict = (-1.0 if sample is None else sample) if due else None
+        self._verdict = (0.0 if sample is None else sample) if due else None  # no sample: as a rejected one
 
     def speculating(self) -> None:
         """Speculation was chosen: probing starts afresh the next time plain steps win."""
