@@ -415,6 +415,29 @@ def test_a_close_remembered_cost_is_timed_again(clock):
     assert policy.choose(4) == 2 and policy.trace[-1]["why"] == "best"
 
 
+def test_a_batch_of_new_size_starts_from_remembered_costs_at_the_nearest_rows(clock):
+    """A call at 8 rows after calls at 2 and 4 (a batch sweep, a server's changing load) starts from the 4-row costs
+    rescaled by the prior curve rather than exploring every K again; this call's own rows come first, and a
+    serial table borrows only serial times."""
+    memory = estimates_module.LookaheadMemory()
+    for rows, seconds in ((2, 0.30), (4, 0.40)):
+        for _ in range(2):
+            memory.record(("process", 1, rows), 4, seconds)
+            memory.record(("process", 1, rows, "serial"), 4, seconds / 2)
+    assert set(memory.by_rows(("process", 1))) == {2, 4} and memory.by_rows(("process", 1), serial=True)[4] == {
+        4: pytest.approx(0.20)}
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, memory=memory,
+                             setting=("process", 1), cost_shape=FLAT_SHAPE)
+    policy._active_rows = 8
+    cost = policy.positions_cost
+    assert policy.verify_seconds(4) == pytest.approx(0.40 * cost(40) / cost(20))
+    assert policy.serial_times()[4] == pytest.approx(0.20 * cost(40) / cost(20))
+    policy._active_rows = 7
+    _measured(policy, {4: 0.90})
+    policy._active_rows = 6  # nearer to 7 (this call) than to 4 (remembered)
+    assert policy.verify_seconds(4) == pytest.approx(0.90 * cost(30) / cost(35))
+
+
 def test_a_single_timing_is_not_remembered_and_the_lowest_first_one_is():
     """One timing of a K may be a one-off (a process's first forwards, a busy moment): later calls are served a K's
     time once timed twice, the lower of its first two (a one-off only slows a forward down), then a decayed mean."""
@@ -722,12 +745,50 @@ def test_in_a_batch_the_prior_curve_turns_compute_bound(clock):
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE)
     _measured(policy, {4: 0.69})
     assert policy.verify_seconds(0) == pytest.approx(0.69 / (1.02 + 0.02 * 3))
-    policy._active_rows = 8  # 40 positions against 8: (40 / 16) / (1.02 + 0.02 * 6)
-    assert policy.shape(4) == pytest.approx(2.5 / 1.14)
-    assert policy.verify_seconds(0) == pytest.approx(0.69 * 1.14 / 2.5)
+    batch = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE)
+    batch._active_rows = 8  # 40 positions against 8: (40 / 16) / (1.02 + 0.02 * 6)
+    _measured(batch, {4: 0.69})
+    assert batch.shape(4) == pytest.approx(2.5 / 1.14)
+    assert batch.verify_seconds(0) == pytest.approx(0.69 * 1.14 / 2.5)
     gpu = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=GPU_SHAPE)
     gpu._active_rows = 8
     assert gpu.shape(4) == pytest.approx((1.02 + 0.02 * 38) / (1.02 + 0.02 * 6))
+
+
+def test_costs_follow_the_active_rows(clock):
+    """A batch's rows leave as they finish and a forward's cost moves with the rows it covers: the costs measured at
+    8 rows serve 2 rows rescaled by the prior curve over rows x (K + 1) positions (here compute-bound past 16), and
+    once 2 rows measure a K themselves the rest follow that ratio; the 8-row table stays for when 8 rows return."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE)
+    policy._active_rows = 8
+    _measured(policy, {2: 0.90, 4: 1.60})
+    policy._active_rows = 2
+    assert policy.verify == {}
+    cost = policy.positions_cost
+    assert cost(40) == pytest.approx(2.5) and cost(10) == pytest.approx(1.18)
+    assert policy.verify_seconds(4) == pytest.approx(1.60 * cost(10) / cost(40))
+    assert policy.verify_seconds(2) == pytest.approx(0.90 * cost(6) / cost(24))
+    _measured(policy, {4: 0.50})  # 2 rows verifying 5 positions each measured cheaper than rescaled: K = 2 follows
+    ratio = 0.50 / (1.60 * cost(10) / cost(40))
+    assert policy.verify_seconds(4) == pytest.approx(0.50)
+    assert policy.verify_seconds(2) == pytest.approx(0.90 * cost(6) / cost(24) * ratio)
+    policy._active_rows = 8
+    assert policy.verify_seconds(4) == pytest.approx(1.60)
+
+
+def test_a_plain_step_is_guessed_from_a_serial_verification(clock):
+    """A plain step runs on every core with the draft idle, as a serial verification does, not as a verification
+    beside the working draft: its guess is the most optimistic of both (measured: 8 rows' plain step 366 ms, guessed
+    686 ms from the concurrent curve, 422 ms from the serial one)."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE,
+                             serial=True)
+    policy._active_rows = 8
+    _measured(policy, {1: 0.98})
+    concurrent_guess = policy.verify_seconds(0)
+    assert concurrent_guess == pytest.approx(0.98 / policy.shape(1))
+    policy.serial_verify[1] = estimates_module._Ema(0.5)
+    policy.serial_verify[1].add(0.48)
+    assert policy.verify_seconds(0) == pytest.approx(0.48 / policy.shape(1))
 
 
 def test_a_plain_step_in_a_batch_is_tried_when_it_might_win(clock):
@@ -736,11 +797,11 @@ def test_a_plain_step_in_a_batch_is_tried_when_it_might_win(clock):
     comes within half of the best; with one row, only within 10 %."""
     def policy_at(rows):
         policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=FLAT_SHAPE)
+        policy._active_rows = rows
         _measured(policy, {1: 0.60, 2: 0.62, 3: 0.66, 4: 0.69})
         policy._rounds = 3
         policy.acceptance.reached = [10.0] * 5
         policy.acceptance.passed = [8.0] * 5
-        policy._active_rows = rows
         return policy
 
     batch = policy_at(8)

@@ -5,6 +5,8 @@ measured, a prior shape of the verification cost curve. See `lookahead.py` for t
 
 from __future__ import annotations
 
+import math
+
 from ..packing import PackedLinear
 from .estimates import non_decreasing
 
@@ -28,9 +30,9 @@ def prior_cost_shape(model) -> tuple[float, float, float]:
 
 class RoundCosts:
     """R(K) and T_v(K) for `LookaheadPolicy` (a mixin: it reads the policy's measurements — `verify`,
-    `serial_verify`, `serial_token`, `serial_fixed`, `backup`, `draft`, `overhead`, `hit_rate`, `fanout` — and its
-    setting — `k_max`, `concurrent`, `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` /
-    `knee`)."""
+    `serial_verify` (the active rows' tables of `verify_by_rows`, `serial_verify_by_rows`), `serial_token`,
+    `serial_fixed`, `backup`, `draft`, `overhead`, `hit_rate`, `fanout` — and its setting — `k_max`, `concurrent`,
+    `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` / `knee`)."""
 
     def times(self) -> dict[int, float]:
         """T_v per K known now: this call's measurements over the remembered ones (scaled to this call), fitted
@@ -91,15 +93,16 @@ class RoundCosts:
         measured ones are fitted non-decreasing first, `_monotone`); past
         K_max, where no K is explored, it rises from there by the prior shape `shape`); with
         none measured below it, the nearest measured one above scaled down in proportion to positions. The plain
-        step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones scaled by
-        the prior shape."""
+        step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones (concurrent
+        or serial: the latter, like a plain step, on every core) scaled by the prior shape."""
         measured = self.times() if measured is None else measured
         if not measured:
             return None
         if k in measured:
             return measured[k]
-        if k == 0:
-            return min(t * self.shape(0) / self.shape(n) for n, t in measured.items())
+        if k == 0:  # a serial verification runs on every core with the draft idle, as a plain step does
+            known = [*measured.items(), *self.serial_times().items()]
+            return min(t * self.shape(0) / self.shape(n) for n, t in known)
         several = sorted((n, t) for n, t in measured.items() if n >= 1)  # verifications of several positions
         if not several:
             return measured[0] * self.shape(k)
@@ -112,15 +115,33 @@ class RoundCosts:
         return t * (k + 1) / (n + 1)
 
     def _remembered(self, serial: bool = False) -> dict[int, float]:
-        """Times of earlier calls in this setting, scaled by this call's measured / remembered ratio where both
-        exist (as remembered when nothing overlaps yet)."""
-        if self.memory is None:
-            return {}
-        times = self.memory.times(self._setting(serial))
+        """Times known beside this call's own at the active rows: earlier calls' in this setting (`LookaheadMemory`),
+        else this call's at the nearest other count of rows (`_borrowed`); scaled by this call's measured / known
+        ratio where both exist (as known when nothing overlaps yet)."""
+        times = self.memory.times(self._setting(serial)) if self.memory is not None else {}
+        if not times:
+            times = self._borrowed(serial)
         own = self.serial_verify if serial else self.verify
-        ratios = [e.value / times[n] for n, e in own.items() if n in times and times[n] > 0]
+        ratios = [e.value / times[n] for n, e in own.items() if n in times and times[n] > 0 and e.value is not None]
         scale = sum(ratios) / len(ratios) if ratios else 1.0
         return {n: t * scale for n, t in times.items()}
+
+    def _borrowed(self, serial: bool = False) -> dict[int, float]:
+        """The times at the nearest other count of rows (this call's first, then earlier calls'), rescaled to the
+        active rows by the prior `positions_cost` (rows x (K + 1) positions against r x (K + 1)). A batch's rows
+        leave as they finish: the 8-row costs taken as they were for the last row made its verifications look 3x
+        dearer than they were (1.5 s against 0.5 s) and kept its speculation one token deep."""
+        rows = max(self._active_rows, 1)
+        tables = self.serial_verify_by_rows if serial else self.verify_by_rows
+        known = [(r, 0, {k: e.value for k, e in t.items() if e.value is not None}) for r, t in tables.items()]
+        if self.memory is not None:
+            known += [(r, 1, t) for r, t in self.memory.by_rows(self.setting, serial).items()]
+        known = [(r, source, t) for r, source, t in known if r != rows and t]
+        if not known:
+            return {}
+        r, _, table = min(known, key=lambda item: (abs(math.log(item[0] / rows)), item[1], item[0]))
+        return {k: t * self.positions_cost(rows * (k + 1)) / self.positions_cost(r * (k + 1))
+                for k, t in table.items()}
 
     def _setting(self, serial: bool = False) -> tuple:
         return (*self.setting, self._active_rows, *(("serial",) if serial else ()))

@@ -107,6 +107,12 @@ class LookaheadMemory:
         counts = self.samples.get(setting, {})
         return {k: t for k, t in self.verify.get(setting, {}).items() if counts.get(k, 0) >= REMEMBER_AFTER}
 
+    def by_rows(self, setting: tuple, serial: bool = False) -> dict[int, dict[int, float]]:
+        """`times` per count of active rows of `setting` (the policy's setting without its rows: `_setting`)."""
+        n, tail = len(setting), ("serial",) if serial else ()
+        return {key[n]: self.times(key) for key in self.verify
+                if key[:n] == setting and key[n + 1:] == tail and len(key) == n + 1 + len(tail)}
+
     def record(self, setting: tuple, k: int, seconds: float) -> None:
         times, counts = self.verify.setdefault(setting, {}), self.samples.setdefault(setting, {})
         counts[k] = counts.get(k, 0) + 1

@@ -10,7 +10,8 @@ round time, from what this run has measured:
   target's distribution there is known: it drew the bonus from it), so a K = 0 round still measures a_1, which is
   how the policy returns to speculation when the text becomes predictable.
 * R(K) = the round's time (`costs.py`): the target's verification over K+1 positions, T_v(K), measured online per
-  K at the current context (recent rounds weigh most); an unmeasured K >= 1 is guessed optimistically (as cheap as the
+  K at the current context and active rows (recent rounds weigh most; a batch's other row counts and earlier calls
+  serve, rescaled, until measured); an unmeasured K >= 1 is guessed optimistically (as cheap as the
   measured K below it, or in proportion to positions from the one above), and the plain step (K = 0) is scaled
   by the prior shape `shape` (on a CPU one position is a matrix-vector product and several a matrix product: a
   jump of 2x, then +0.1 per position; on a GPU and with packed CPU kernels 1.02x + 0.02; over a batch's rows x
@@ -84,6 +85,11 @@ def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
     return best
 
 
+def _timed(by_rows: dict[int, dict[int, _Ema]]) -> set[int]:
+    """The K timed at any count of rows."""
+    return {k for table in by_rows.values() for k in table}
+
+
 class LookaheadPolicy(RoundCosts):
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
@@ -112,8 +118,11 @@ class LookaheadPolicy(RoundCosts):
         self._rate: float | None = None  # the expected tokens per second of the way chosen at the last decision
         self._confident_speeds: dict[int, float] | None = None  # this round's speeds per K from its confidences
         self._active_rows = 1
-        self.verify = {}  # K -> _Ema of the target forward seconds (K = 0: a plain step, on every core)
-        self.serial_verify = {}  # K >= 1 -> _Ema of a verification on every core while the draft sits it out
+        # per active rows (a forward's cost moves with the rows it covers): K -> _Ema of the target forward
+        # seconds (K = 0: a plain step, on every core) and of a verification on every core while the draft sits it
+        # out (K >= 1); `verify` / `serial_verify` are the active rows' tables
+        self.verify_by_rows: dict[int, dict[int, _Ema]] = {}
+        self.serial_verify_by_rows: dict[int, dict[int, _Ema]] = {}
         self.serial_token = _Ema(COST_DECAY)  # seconds per further token drafted just in time, on every core
         self.serial_fixed = _Ema(COST_DECAY)  # seconds of a serial speculation's fixed part and first token
         self.serial_length = _Ema(COST_DECAY)  # tokens a serial round drafts (fewer than asked where it stops early)
@@ -134,6 +143,16 @@ class LookaheadPolicy(RoundCosts):
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
         self._mode = CONCURRENT  # how the next speculation is made (CONCURRENT, SERIAL or PLAIN), see `depth`
         self.serial = 0  # tokens the draft drafts just in time after this round's verification (SERIAL rounds)
+
+    @property
+    def verify(self) -> dict[int, _Ema]:
+        """K -> the target forward's seconds at the active rows, as measured in this call."""
+        return self.verify_by_rows.setdefault(self._active_rows, {})
+
+    @property
+    def serial_verify(self) -> dict[int, _Ema]:
+        """K >= 1 -> the seconds of a verification the draft sat out, at the active rows, as measured in this call."""
+        return self.serial_verify_by_rows.setdefault(self._active_rows, {})
 
     # --- the decision ------------------------------------------------------------------------------------------
     def choose(self, limit: int, rows: int = 1, confidence: list | None = None) -> int:
@@ -293,8 +312,10 @@ class LookaheadPolicy(RoundCosts):
             return [(v, k, mode) for k, v in mode_speeds.items() if k <= min(limit, self.k_max) and close(k, v) and (
                 k not in known or (stale(k) and not (chosen and k == best)))]
 
-        unmeasured = untimed(CONCURRENT, speeds, table, self.verify) + untimed(
-            SERIAL, serial_speeds, serial_table, self.serial_verify)
+        # (a K timed at other rows of this batch counts as timed: rows leave as they finish, and the costs follow
+        # them by the prior curve, `RoundCosts._borrowed`, rather than being explored again at each count)
+        unmeasured = untimed(CONCURRENT, speeds, table, _timed(self.verify_by_rows)) + untimed(
+            SERIAL, serial_speeds, serial_table, _timed(self.serial_verify_by_rows))
         if unmeasured:
             _, choice, mode = max(unmeasured)
             self._exploring = True
@@ -383,7 +404,7 @@ class LookaheadPolicy(RoundCosts):
         return StopRule(tuple(self.confidence_table()), gain)
 
     def _record(self, k: int, speeds: dict | None, why: str, serial_speeds: dict | None = None) -> None:
-        entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode,
+        entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode, "rows": self._active_rows,
                  "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
         if speeds:
             entry["tok_s"] = {n: round(v, 2) for n, v in speeds.items()}
@@ -455,6 +476,8 @@ class LookaheadPolicy(RoundCosts):
         self._rounds += 1
         if self.trace:
             self.trace[-1]["forward_ms"] = round(1e3 * forward_seconds, 2)
+            if wall is not None:
+                self.trace[-1]["round_ms"] = round(1e3 * wall, 2)
         previous, self._timings = self._timings, timings
         if first:  # the first verification holds the target's prefill
             return
