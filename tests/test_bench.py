@@ -420,6 +420,9 @@ def test_batch_sweep_end_to_end(tmp_path):
         assert 0 < p["decode_tokens"] < p["tokens"] and 0 < p["first_s"] < p["seconds"]
         if p["method"].startswith("ssd"):
             assert p["identical"] == 1.0 and p["kv_bytes_per_token"] > 0 and p["realign_seconds"] >= 0
+            # why each round's K was chosen, with the rows it covered (how a batch's plain-vs-speculation is read)
+            decisions = p["lookahead_decisions"]
+            assert decisions and decisions[0]["rows"] == p["batch_size"] and all(d["rows"] >= 1 for d in decisions)
     table = sweep_table(results)
     assert table.count("\n") == 1 + len(results["points"]) and "| 2 | ssd-ngram |" in table
     paths = write_sweep(results, tmp_path)

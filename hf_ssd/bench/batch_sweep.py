@@ -199,7 +199,8 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
                   decode_verify_seconds=m.verify_seconds - m.first_verify_seconds,
                   decode_wait_seconds=m.target_wait_seconds - m.first_wait_seconds, batch_rounds=m.batch_rounds,
                   mean_fanout_budget=mean_budget(m.fanout_budget_per_round),
-                  mean_lookahead=sum(m.lookahead_per_round) / max(len(m.lookahead_per_round), 1))
+                  mean_lookahead=sum(m.lookahead_per_round) / max(len(m.lookahead_per_round), 1),
+                  lookahead_decisions=m.lookahead_decisions)
     return results
 
 
