@@ -13,6 +13,7 @@ from test_lookahead import _script, batch_greedy_runs, law_models, shift_just_in
 from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, WARPED, exact_law, law_pvalues, ssd_samples
 
 from hf_ssd import SSDConfig, enable_ssd
+from hf_ssd.ema import DecayedMean
 from hf_ssd.generation.confidence import (
     EDGES,
     ConfidenceCalibration,
@@ -21,7 +22,6 @@ from hf_ssd.generation.confidence import (
     expected_tokens_per_row,
 )
 from hf_ssd.generation.costs import FLAT_SHAPE
-from hf_ssd.generation.estimates import _Ema
 from hf_ssd.generation.lookahead import LookaheadPolicy
 
 # --- the calibration and the stop rule, on tensors -------------------------------------------------------------
@@ -108,7 +108,7 @@ def _measured_policy(**kwargs) -> LookaheadPolicy:
     policy = LookaheadPolicy(3, True, 0.7, concurrent=True, cost_shape=FLAT_SHAPE, **kwargs)
     policy._rounds = 5
     for k in range(4):
-        policy.verify[k] = _Ema(0.7)
+        policy.verify[k] = DecayedMean(0.7)
         policy.verify[k].add(0.100 + 0.01 * k)
     policy.draft.add(0.05)
     policy.overhead.add(0.0)

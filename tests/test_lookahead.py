@@ -24,6 +24,7 @@ from test_sampling_law import (
 )
 
 from hf_ssd import SSDConfig, enable_ssd
+from hf_ssd.ema import DecayedMean
 from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation import probing
@@ -123,7 +124,7 @@ def test_policy_explores_an_unmeasured_k_that_might_be_better(clock):
 
 def _measured(policy, times: dict[int, float]) -> None:
     for k, seconds in times.items():
-        policy.verify[k] = estimates_module._Ema(0.5)
+        policy.verify[k] = DecayedMean(0.5)
         policy.verify[k].add(seconds)
 
 
@@ -786,7 +787,7 @@ def test_a_plain_step_is_guessed_from_a_serial_verification(clock):
     _measured(policy, {1: 0.98})
     concurrent_guess = policy.verify_seconds(0)
     assert concurrent_guess == pytest.approx(0.98 / policy.shape(1))
-    policy.serial_verify[1] = estimates_module._Ema(0.5)
+    policy.serial_verify[1] = DecayedMean(0.5)
     policy.serial_verify[1].add(0.48)
     assert policy.verify_seconds(0) == pytest.approx(0.48 / policy.shape(1))
 

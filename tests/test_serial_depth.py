@@ -13,8 +13,8 @@ from test_lookahead import _script, batch_greedy_runs, law_models, shift_just_in
 from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, exact_law, law_pvalues, ssd_samples
 
 from hf_ssd import SSDConfig
+from hf_ssd.ema import DecayedMean
 from hf_ssd.generation.costs import FLAT_SHAPE
-from hf_ssd.generation.estimates import _Ema
 from hf_ssd.generation.lookahead import SERIAL, LookaheadPolicy
 
 
@@ -32,9 +32,9 @@ def _serial_policy(**kwargs) -> LookaheadPolicy:
     policy = LookaheadPolicy(3, True, 0.9, concurrent=True, cost_shape=FLAT_SHAPE, serial=True, confidence=True,
                              **kwargs)
     for k in range(4):
-        policy.verify.setdefault(k, _Ema(0.7)).add(0.100 + 0.002 * k)
+        policy.verify.setdefault(k, DecayedMean(0.7)).add(0.100 + 0.002 * k)
     for k in range(1, 4):
-        policy.serial_verify.setdefault(k, _Ema(0.7)).add(0.080 + 0.002 * k)
+        policy.serial_verify.setdefault(k, DecayedMean(0.7)).add(0.080 + 0.002 * k)
     policy.serial_token.add(0.004)
     policy.serial_length.add(3.0)
     policy.draft.add(0.150)  # the concurrent tree outlasts the verification: serial rounds win

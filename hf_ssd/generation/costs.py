@@ -178,7 +178,7 @@ class RoundCosts:
 
 
 def _monotone(remembered: dict[int, float], measured: dict) -> dict[int, float]:
-    """T_v per K: `measured` (K -> `_Ema`) over `remembered`, the K >= 1 ones replaced by their weighted
+    """T_v per K: `measured` (K -> `DecayedMean`) over `remembered`, the K >= 1 ones replaced by their weighted
     non-decreasing fit (each measured K weighs the samples its mean holds, a remembered one as one sample).
 
     A single verification's time is noisy (±15-25 % on a shared 2-core machine, more than the curve rises between

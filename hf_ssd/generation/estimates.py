@@ -1,6 +1,6 @@
 """What the lookahead policy estimates from a run and remembers across runs: acceptance per draft position
 (`AcceptanceTracker`), verification times per K and each draft's pooled acceptance per target (`LookaheadMemory`),
-decayed means (`_Ema`), E(K), the tokens a round verifying K draft tokens yields (`expected_tokens`), and the
+E(K), the tokens a round verifying K draft tokens yields (`expected_tokens`), and the
 weighted non-decreasing fit both the confidence calibration and the verification cost curve use (`non_decreasing`)."""
 
 from __future__ import annotations
@@ -31,17 +31,6 @@ def non_decreasing(values: list[float], weights: list[float]) -> list[float]:
             v1, w1, n1 = blocks.pop()
             blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
     return [v for v, _, n in blocks for _ in range(n)]
-
-
-class _Ema:
-    """A decayed mean; `weight` is how many samples' worth it holds (1 + decay + decay^2 + ...)."""
-
-    def __init__(self, decay: float):
-        self.decay, self.value, self.weight = decay, None, 0.0
-
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
-        self.weight = self.decay * self.weight + 1.0
 
 
 class AcceptanceTracker:

@@ -39,10 +39,11 @@ import time
 
 import torch
 
+from ..ema import DecayedMean
 from .budget import FanoutBudget
 from .confidence import ConfidenceCalibration, StopRule, expected_tokens_per_row
 from .costs import CPU_SHAPE, RoundCosts
-from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, _Ema, expected_tokens
+from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, expected_tokens
 from .probing import Probing
 
 EXPLORE_WITHIN = 0.9
@@ -85,7 +86,7 @@ def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
     return best
 
 
-def _timed(by_rows: dict[int, dict[int, _Ema]]) -> set[int]:
+def _timed(by_rows: dict[int, dict[int, DecayedMean]]) -> set[int]:
     """The K timed at any count of rows."""
     return {k for table in by_rows.values() for k in table}
 
@@ -118,21 +119,21 @@ class LookaheadPolicy(RoundCosts):
         self._rate: float | None = None  # the expected tokens per second of the way chosen at the last decision
         self._confident_speeds: dict[int, float] | None = None  # this round's speeds per K from its confidences
         self._active_rows = 1
-        # per active rows (a forward's cost moves with the rows it covers): K -> _Ema of the target forward
+        # per active rows (a forward's cost moves with the rows it covers): K -> DecayedMean of the target forward
         # seconds (K = 0: a plain step, on every core) and of a verification on every core while the draft sits it
         # out (K >= 1); `verify` / `serial_verify` are the active rows' tables
-        self.verify_by_rows: dict[int, dict[int, _Ema]] = {}
-        self.serial_verify_by_rows: dict[int, dict[int, _Ema]] = {}
-        self.serial_token = _Ema(COST_DECAY)  # seconds per further token drafted just in time, on every core
-        self.serial_fixed = _Ema(COST_DECAY)  # seconds of a serial speculation's fixed part and first token
-        self.serial_length = _Ema(COST_DECAY)  # tokens a serial round drafts (fewer than asked where it stops early)
-        self.backup_token = _Ema(COST_DECAY)  # seconds per token of the draft backup (beside the target)
+        self.verify_by_rows: dict[int, dict[int, DecayedMean]] = {}
+        self.serial_verify_by_rows: dict[int, dict[int, DecayedMean]] = {}
+        self.serial_token = DecayedMean(COST_DECAY)  # seconds per further token drafted just in time, on every core
+        self.serial_fixed = DecayedMean(COST_DECAY)  # seconds of a serial speculation's fixed part and first token
+        self.serial_length = DecayedMean(COST_DECAY)  # tokens a serial round drafts (fewer where it stops early)
+        self.backup_token = DecayedMean(COST_DECAY)  # seconds per token of the draft backup (beside the target)
         # the cost curve's prior shape, only until measured (see `shape`); no knee given: never compute-bound
         self.jump, self.slope, self.knee = (*cost_shape, float("inf"))[:3]
-        self.draft = _Ema(COST_DECAY)  # seconds of one prepare (glue, fork, tree), at whatever depth and budget
-        self.backup = _Ema(COST_DECAY)  # seconds of one just-in-time backup
-        self.overhead = _Ema(COST_DECAY)  # round time not explained by the model
-        self.hit_rate = _Ema(DECAY)
+        self.draft = DecayedMean(COST_DECAY)  # seconds of one prepare (glue, fork, tree), at whatever depth and budget
+        self.backup = DecayedMean(COST_DECAY)  # seconds of one just-in-time backup
+        self.overhead = DecayedMean(COST_DECAY)  # round time not explained by the model
+        self.hit_rate = DecayedMean(DECAY)
         self.trace: list[dict] = []
         self._round_start: float | None = None
         self._timings = None
@@ -145,12 +146,12 @@ class LookaheadPolicy(RoundCosts):
         self.serial = 0  # tokens the draft drafts just in time after this round's verification (SERIAL rounds)
 
     @property
-    def verify(self) -> dict[int, _Ema]:
+    def verify(self) -> dict[int, DecayedMean]:
         """K -> the target forward's seconds at the active rows, as measured in this call."""
         return self.verify_by_rows.setdefault(self._active_rows, {})
 
     @property
-    def serial_verify(self) -> dict[int, _Ema]:
+    def serial_verify(self) -> dict[int, DecayedMean]:
         """K >= 1 -> the seconds of a verification the draft sat out, at the active rows, as measured in this call."""
         return self.serial_verify_by_rows.setdefault(self._active_rows, {})
 
@@ -484,7 +485,7 @@ class LookaheadPolicy(RoundCosts):
         paused = self.trace[-1].get("depth", self.k_max) == 0 if self.trace else False
         serial = paused and k > 0  # verified on every core while the draft sat it out
         if k > 0 or paused:  # a plain step is timed while the draft is paused: what choosing it costs for long
-            (self.serial_verify if serial else self.verify).setdefault(k, _Ema(COST_DECAY)).add(forward_seconds)
+            (self.serial_verify if serial else self.verify).setdefault(k, DecayedMean(COST_DECAY)).add(forward_seconds)
             self._timed_at[(serial, k)] = self._rounds
             if self.memory is not None and self.adaptive:
                 self.memory.record(self._setting(serial), k, forward_seconds)

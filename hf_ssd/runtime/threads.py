@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..ema import DecayedMean
+
 
 def available_cores() -> int:
     """CPU cores this process may run on (respects affinity masks and container limits where the OS tells)."""
@@ -53,10 +55,9 @@ class ThreadChoice:
 
     def __init__(self, candidates: tuple[int, ...], tries: int = 2, retry: int = 32, decay: float = 0.7):
         self.candidates = tuple(dict.fromkeys(c for c in candidates if c >= 1)) or (1,)
-        from ..generation.estimates import _Ema  # here: generation imports the runtime package
 
         self.tries, self.retry = tries, retry
-        self._seconds = {count: _Ema(decay) for count in self.candidates}  # per unit of work
+        self._seconds = {count: DecayedMean(decay) for count in self.candidates}  # per unit of work
         self.runs: dict[int, int] = dict.fromkeys(self.candidates, 0)
         self.calls = 0
 
