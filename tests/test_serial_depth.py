@@ -31,7 +31,8 @@ def _serial_policy(**kwargs) -> LookaheadPolicy:
     """A policy whose costs are measured: serial rounds pay (a flat verification curve, a cheap draft)."""
     policy = LookaheadPolicy(3, True, 0.9, concurrent=True, cost_shape=FLAT_SHAPE, serial=True, confidence=True,
                              **kwargs)
-    for k in range(4):
+    policy.verify.setdefault(0, DecayedMean(0.7)).add(0.078)  # a plain step, on every core as a serial verification
+    for k in range(1, 4):
         policy.verify.setdefault(k, DecayedMean(0.7)).add(0.100 + 0.002 * k)
     for k in range(1, 4):
         policy.serial_verify.setdefault(k, DecayedMean(0.7)).add(0.080 + 0.002 * k)

@@ -36,12 +36,12 @@ class RoundCosts:
 
     def times(self) -> dict[int, float]:
         """T_v per K known now: this call's measurements over the remembered ones (scaled to this call), fitted
-        non-decreasing in K >= 1 (`_monotone`)."""
-        return _monotone(self._remembered(), self.verify)
+        non-decreasing in K >= 1 (`_monotone`) and never below the plain step's (`_floored`)."""
+        return _floored(_monotone(self._remembered(), self.verify))
 
     def serial_times(self) -> dict[int, float]:
         """T_v per K >= 1 of verifications the draft sat out (on every core), as `times`."""
-        return _monotone(self._remembered(serial=True), self.serial_verify)
+        return _floored(_monotone(self._remembered(serial=True), self.serial_verify), self.times().get(0))
 
     def serial_verify_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
         """T_v(k) on every core with the draft idle: measured; else along the measured serial ones as
@@ -175,6 +175,17 @@ class RoundCosts:
         """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
         at_budget = self.fanout.draft.get(self.fanout.current)
         return at_budget if at_budget is not None else self.draft.value or 0.0
+
+
+def _floored(times: dict[int, float], plain: float | None = None) -> dict[int, float]:
+    """`times` with every K >= 1 at least the plain step's time (`plain`, default `times[0]`, when known): a
+    verification scores the plain step's position and more, on no more cores. Timed apart, noise can say otherwise
+    (measured: a useless draft's serial K = 1 at 362 ms against a 385 ms plain step, a 2-position forward of a
+    packed target costing about one), and the policy then verified a token that was never accepted for 20 rounds."""
+    plain = times.get(0) if plain is None else plain
+    if plain is None:
+        return times
+    return {k: t if k == 0 else max(t, plain) for k, t in times.items()}
 
 
 def _monotone(remembered: dict[int, float], measured: dict) -> dict[int, float]:
