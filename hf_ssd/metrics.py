@@ -81,7 +81,8 @@ class SSDMetrics:
     acceptance estimates per draft position, the predicted tokens per second of every K considered, the target's
     verification time per K and the draft's round time they came from, whether K was the best, an exploration
     of an unmeasured K, from the prior cost shape (before any verification was timed) or fixed, the most the round
-    could verify (`limit`), and how deep the draft prepared next (`depth`: 0 = paused).
+    could verify (`limit`), how deep the draft prepared next (`depth`: 0 = paused), the active rows the round
+    covered (`rows`), its target forward (`forward_ms`) and its whole time (`round_ms`).
     `fanout_budget_per_round` is how many branches per row the draft prepared beside each verification
     (`fanout_budget_schedule="adaptive"` chooses it every round; 0 while paused); the decisions record it
     (`budget`) and, where it was decided, the predicted tokens per second of each budget considered
