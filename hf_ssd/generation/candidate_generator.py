@@ -7,7 +7,8 @@ Per round, while the target verifies speculation S = [t_prev, s_1..s_K] of every
   4. the branches go into a `SpeculationCache` keyed by (batch row, k, bonus).
 When the outcomes (k_i, bonus_i) arrive, `resolve` keeps each row's accepted glue slots (and its hit branch),
 compacts the rows, drops finished ones, and returns per row the cached speculation (hit) or the backup's (miss).
-Only tokens and q travel to the target, never KV.
+Only tokens and q travel to the target, never KV. The draft's one-token-per-forward drafting (a serial round's
+speculation, the draft backup's) is `just_in_time.py`.
 
 It also implements transformers' `CandidateGenerator` interface (`get_candidates` / `update_candidate_strategy`),
 so it can serve the stock assisted-decoding loop synchronously.
@@ -36,10 +37,10 @@ from ..cache.speculation_cache import PLAIN, SERIAL, Speculation, SpeculationCac
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
 from ..metrics import PhaseTimer
-from .backup import backup_speculation
 from .checks import model_vocab_size
 from .confidence import StopRule
 from .fanout import FanoutEstimator, fork_candidates
+from .just_in_time import JustInTimeDrafting
 from .saguaro import draft_probs
 
 # Sampling warpers that act on scores alone; the draft applies exactly these (in the target's order) to q.
@@ -102,7 +103,7 @@ def sampling_warpers(logits_processor) -> list:
     return [p for p in (logits_processor or []) if isinstance(p, SAMPLING_WARPERS)]
 
 
-class SaguaroCandidateGenerator(CandidateGenerator):
+class SaguaroCandidateGenerator(JustInTimeDrafting, CandidateGenerator):
     """Draft-side state machine of SSD for one generation of b rows (b shrinks as rows finish).
 
     Args:
@@ -267,69 +268,6 @@ class SaguaroCandidateGenerator(CandidateGenerator):
     def _top(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's top-W tokens, W = branches + 1 (enough for any fork after skipping s_{j+1})."""
         return logits.topk(min(self.vocab_size, self.config.branches + 1), dim=-1).indices
-
-    def _draft_just_in_time(self, missed: torch.Tensor, length: int, phase: str, first: torch.Tensor | None = None,
-                            stop: StopRule | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """The draft model's own speculation of up to `length` tokens for the rows in `missed` [b] (bool): that many
-        single-token forwards (one fewer when `first` [b, V] holds the logits after t_prev, already fed), fewer where
-        `stop` says no row expects its next token to pay (at least one token; see `StopRule`).
-
-        The other rows ride along as invisible dummies (one forward serves the whole batch). The real rows' KV stays
-        in the cache and their top tokens travel with the speculation, so the next glue forward only has to run
-        the last drafted token. Returns tokens [b, n], q [b, n, V] or None, row_top [b, n, W], confidence [b, n] (or
-        None when not tracked).
-        """
-        token = self.t_prev.clone()
-        tokens, probs, tops, confidences = [], [], [], []
-        reach = torch.ones(missed.shape[0], device=self.device)
-        for i in range(length):
-            self.check()
-            if i == 0 and first is not None:
-                logits = first[:, None]
-            else:
-                visible = causal_visibility(self.cache.valid, 1, missed[:, None])
-                logits = self.cache.forward(token[:, None], (self.glue_start + i)[:, None], visible,
-                                            valid=missed[:, None], phase=phase)
-            tops.append(self._top(logits[:, -1]))
-            token, q, confidence = self._sample(logits[:, -1], self._saguaro_top("miss", i + 1))
-            tokens.append(token)
-            probs.append(q)
-            confidences.append(confidence)
-            if stop is not None and confidence is not None and i + 1 < length:
-                going, reach = stop.keeps_going(reach, confidence, missed)
-                if not going:
-                    break
-        stacked = torch.stack(probs, dim=1) if self.do_sample else None
-        confidence = torch.stack(confidences, dim=1) if confidences[0] is not None else None
-        return torch.stack(tokens, dim=1), stacked, torch.stack(tops, dim=1), confidence
-
-    def _backup_speculations(self, rows: list[int], backup: str, length: int, phase: str = "backup",
-                             stop: StopRule | None = None) -> None:
-        """Fill `self.speculations[r]` for the rows that missed, with `length` tokens of `backup` (its forwards
-        timed as `phase`; the draft's may stop early, see `_draft_just_in_time`)."""
-        if not rows:
-            return
-        if backup == "draft":
-            started = time.perf_counter()
-            missed = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
-            missed[rows] = True
-            tokens, probs, tops, confidence = self._draft_just_in_time(missed, length, phase, stop=stop)
-            for r in rows:
-                self.speculations[r] = Speculation(
-                    tokens[r], None if probs is None else probs[r], "draft", row_top=tops[r],
-                    confidence=None if confidence is None else confidence[r],
-                )
-            self.timings.backup_seconds += time.perf_counter() - started
-            self.timings.backup_calls += 1
-            self.timings.backup_tokens += tokens.shape[1]
-            return
-        for r in rows:
-            tokens, probs = backup_speculation(
-                self.contexts[r], length, self.vocab_size, self.generator, self.device,
-                self.config.ngram_max if backup == "ngram" else None, self.do_sample,
-            )
-            self.speculations[r] = Speculation(tokens, probs, backup)
 
     def _glue(self, speculations: list[Speculation]) -> torch.Tensor:
         """Append every row's [t_prev, s_1..s_n] to the draft cache (every row's speculation has n tokens); returns
@@ -565,38 +503,6 @@ class SaguaroCandidateGenerator(CandidateGenerator):
         self.timings.serial_tokens += tokens.shape[1]
         self.timings.serial_seconds += time.perf_counter() - started
         return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
-
-    def _uncached(self, through_t_prev: bool) -> list[list[int]]:
-        """Per row, the committed tokens the draft cache lacks (it holds a prefix of the committed path), up to the
-        one before t_prev, or up to t_prev itself."""
-        valid = self.cache.valid
-        held = torch.where(valid, self.cache.positions + 1, torch.zeros_like(self.cache.positions))
-        held = held.amax(dim=1).tolist() if held.shape[1] else [0] * len(self.contexts)
-        end = (self.glue_start + int(through_t_prev)).tolist()
-        return [context[h:e] for context, h, e in zip(self.contexts, held, end)]
-
-    def _feed(self, missing: list[list[int]], through_t_prev: bool, phase: str) -> torch.Tensor | None:
-        """Append every row's `missing` tokens (ending just before t_prev, or with it) in one forward, rows with
-        fewer as invisible dummies first; returns the logits after each row's last one [b, V] (None if nothing
-        was missing)."""
-        width = max(len(m) for m in missing)
-        if width == 0:
-            return None
-        self.check()
-        rows = len(missing)
-        tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        real = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
-        last = self.glue_start if through_t_prev else self.glue_start - 1  # the last column's position, per row
-        first_position = last - (width - 1)
-        for r, m in enumerate(missing):
-            if m:
-                tokens[r, width - len(m):] = torch.tensor(m, device=self.device)
-                real[r, width - len(m):] = True
-        positions = first_position[:, None] + torch.arange(width, device=self.device)
-        positions = torch.where(real, positions, last[:, None])  # a dummy sits at its row's last position
-        visible = causal_visibility(self.cache.valid, width, real)
-        logits = self.cache.forward(tokens, positions, visible, valid=real, logits_to_keep=1, phase=phase)
-        return logits[:, -1]
 
     # --- transformers' CandidateGenerator interface (synchronous, batch 1) --------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
