@@ -186,12 +186,12 @@ def test_stop_rule_prices_a_drafted_token_at_the_chosen_speed():
 def test_the_price_of_a_further_verified_position_is_a_robust_slope():
     """The slope of T_v over K as the median of pairwise slopes: one outlying end timing (a 600 ms K = 8 among
     100-160 ms) leaves it at the curve's 10 ms a position, where the end-to-end slope read 71 ms."""
-    from hf_ssd.generation.lookahead import _slope
+    from hf_ssd.generation.costs import position_slope
 
-    assert _slope({1: 0.10, 2: 0.11, 3: 0.12, 4: 0.13}) == pytest.approx(0.01)
-    assert _slope({2: 0.30}) == 0.0 and _slope({1: 0.2, 2: 0.1}) == 0.0
+    assert position_slope({1: 0.10, 2: 0.11, 3: 0.12, 4: 0.13}) == pytest.approx(0.01)
+    assert position_slope({2: 0.30}) == 0.0 and position_slope({1: 0.2, 2: 0.1}) == 0.0
     outlier = {1: 0.10, 2: 0.11, 3: 0.12, 4: 0.13, 5: 0.14, 6: 0.15, 7: 0.16, 8: 0.60}
-    assert _slope(outlier) == pytest.approx(0.01)
+    assert position_slope(outlier) == pytest.approx(0.01)
 
 
 # --- losslessness when speculations stop early -------------------------------------------------------------------

@@ -6,6 +6,7 @@ measured, a prior shape of the verification cost curve. See `lookahead.py` for t
 from __future__ import annotations
 
 import math
+import statistics
 
 from ..packing import PackedLinear
 from .estimates import non_decreasing
@@ -175,6 +176,15 @@ class RoundCosts:
         """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
         at_budget = self.fanout.draft.get(self.fanout.current)
         return at_budget if at_budget is not None else self.draft.value or 0.0
+
+
+def position_slope(times: dict[int, float]) -> float:
+    """Seconds per further verified position: the median of the slopes of T_v between every two measured K
+    (Theil-Sen; at least 0, and 0 with fewer than two K). The end-to-end slope moved with one outlying end timing
+    (and with it where just-in-time drafting stops); the median of pairwise slopes does not."""
+    points = sorted(times.items())
+    slopes = [(t1 - t0) / (k1 - k0) for i, (k0, t0) in enumerate(points) for k1, t1 in points[i + 1:]]
+    return max(0.0, statistics.median(slopes)) if slopes else 0.0
 
 
 def _floored(times: dict[int, float], plain: float | None = None) -> dict[int, float]:

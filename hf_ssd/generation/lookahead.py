@@ -35,7 +35,6 @@ round.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -43,7 +42,7 @@ import torch
 from ..ema import DecayedMean
 from .budget import FanoutBudget
 from .confidence import ConfidenceCalibration, StopRule, expected_tokens_per_row
-from .costs import CPU_SHAPE, RoundCosts
+from .costs import CPU_SHAPE, RoundCosts, position_slope
 from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, expected_tokens
 from .probing import Probing
 
@@ -85,15 +84,6 @@ def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
     if best > 0 and 0 in speeds and speeds[best] < margin * speeds[0]:
         return 0
     return best
-
-
-def _slope(times: dict[int, float]) -> float:
-    """Seconds per further verified position: the median of the slopes of T_v between every two measured K
-    (Theil-Sen; at least 0, and 0 with fewer than two K). The end-to-end slope moved with one outlying end timing
-    (and with it where just-in-time drafting stops); the median of pairwise slopes does not."""
-    points = sorted(times.items())
-    slopes = [(t1 - t0) / (k1 - k0) for i, (k0, t0) in enumerate(points) for k1, t1 in points[i + 1:]]
-    return max(0.0, statistics.median(slopes)) if slopes else 0.0
 
 
 def _timed(by_rows: dict[int, dict[int, DecayedMean]]) -> set[int]:
@@ -396,15 +386,15 @@ class LookaheadPolicy(RoundCosts):
     def stop_rule(self) -> StopRule | None:
         """Where this round's just-in-time drafting (the serial speculation, a draft backup on a miss) stops: once no
         row expects its next token to bring the tokens its time would bring at the speed chosen (`StopRule`: gain =
-        that speed x (seconds per drafted token + one more verified position, `_slope`)). None without a calibration
-        or before the draft's cost per token is measured: then it drafts the full length."""
+        that speed x (seconds per drafted token + one more verified position, `position_slope`)). None without a
+        calibration or before the draft's cost per token is measured: then it drafts the full length."""
         if self.calibration is None or not self._rate:
             return None
         per_token = (self.serial_token if self.serial else self.backup_token).value
         if per_token is None:
             return None
         table = self.serial_times() if self.serial else self.times()
-        gain = self._rate * (per_token + _slope({k: t for k, t in table.items() if k >= 1}))
+        gain = self._rate * (per_token + position_slope({k: t for k, t in table.items() if k >= 1}))
         if self.trace:
             self.trace[-1]["stop_gain"] = round(gain, 3)
         return StopRule(tuple(self.confidence_table()), gain)
