@@ -191,6 +191,24 @@ def test_per_request_ssd_config(server, client, folders, plain):
         assert after[key] == before[key]
 
 
+def test_a_stream_ends_only_once_its_request_is_on_metrics(server, client, folders, monkeypatch):
+    """`generate()` ends the stream before it returns; the server holds that end back until the request's statistics
+    are counted, so a client reading `/metrics` right after its stream finds them (CI once read them before)."""
+    observe = server.metrics.observe
+
+    def slow_observe(*args, **kwargs):
+        time.sleep(0.5)
+        observe(*args, **kwargs)
+
+    monkeypatch.setattr(server.metrics, "observe", slow_observe)
+    before = scrape(server)
+    streamed(client, folders[0], prompt(5), max_tokens=8)
+    after = scrape(server)
+    key = ("hf_ssd:requests_total", ("outcome", "finished"))
+    assert after[key] == before.get(key, 0.0) + 1
+    assert after[("vllm:generation_tokens_total",)] == before.get(("vllm:generation_tokens_total",), 0.0) + 8
+
+
 def test_concurrent_streams_are_all_answered_in_full(server, client, folders, plain):
     texts = [prompt(10 + i, length=3 + i % 5) for i in range(16)]
     expected = [plain(text, 16) for text in texts]

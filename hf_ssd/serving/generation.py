@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from transformers.cli.serving.utils import GenerateManager, GenerationState, _GenerationCancelled
+from transformers.generation.streamers import BaseStreamer
 
 from ..config import SSDConfig
 from ..generation.checks import model_vocab_size
@@ -64,18 +65,51 @@ class SSDTarget:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         prompt = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0
         before = getattr(model, "ssd_metrics", None)
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            kwargs["streamer"] = streamer = EndAfterMetrics(streamer)
         try:
-            output = model.generate(*args, **kwargs)
-        except _GenerationCancelled:
-            manager.metrics.observe("cancelled")
-            raise
-        except BaseException:
-            manager.metrics.observe("error")
-            raise
-        sequences = output if isinstance(output, torch.Tensor) else output.sequences
-        ssd = getattr(model, "ssd_metrics", None)
-        manager.metrics.observe("finished", prompt, sequences.shape[-1] - prompt, ssd if ssd is not before else None)
+            try:
+                output = model.generate(*args, **kwargs)
+            except _GenerationCancelled:
+                manager.metrics.observe("cancelled")
+                raise
+            except BaseException:
+                manager.metrics.observe("error")
+                raise
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            ssd = getattr(model, "ssd_metrics", None)
+            new = sequences.shape[-1] - prompt
+            manager.metrics.observe("finished", prompt, new, ssd if ssd is not before else None)
+        finally:
+            if streamer is not None:
+                streamer.release()
         return output
+
+
+class EndAfterMetrics(BaseStreamer):
+    """A streamer whose `end()` waits until the generation's statistics are on `/metrics`: a client that reads
+    `/metrics` once its stream has ended finds its request counted (`generate()` ends the stream before it returns,
+    so the stream would otherwise close before the counters move)."""
+
+    def __init__(self, streamer):
+        self._streamer = streamer
+        self._ended = False
+
+    def put(self, value) -> None:
+        self._streamer.put(value)
+
+    def end(self) -> None:
+        self._ended = True
+
+    def release(self) -> None:
+        """Pass on an `end()` held back (once)."""
+        if self._ended:
+            self._ended = False
+            self._streamer.end()
+
+    def __getattr__(self, name: str):
+        return getattr(self._streamer, name)
 
 
 class SSDGenerateManager(GenerateManager):
