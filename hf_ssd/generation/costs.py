@@ -9,7 +9,7 @@ import math
 import statistics
 
 from ..packing import PackedLinear
-from .estimates import non_decreasing
+from .estimates import memory_key, non_decreasing
 
 # Priors of the verification cost curve's shape (jump, slope, knee: see `LookaheadPolicy.shape`), only until
 # measured. Measured on 2-core CPUs with MKL's fp32 kernels (Qwen 1.5B: 2 positions 2.0-2.3x one, each further one
@@ -145,7 +145,7 @@ class RoundCosts:
                 for k, t in table.items()}
 
     def _setting(self, serial: bool = False) -> tuple:
-        return (*self.setting, self._active_rows, *(("serial",) if serial else ()))
+        return memory_key(self.setting, self._active_rows, serial)
 
     def shape(self, k: int) -> float:
         """The prior cost curve T_v(k) / T_v(0) at the active rows: the forward's cost over its rows * (k + 1)

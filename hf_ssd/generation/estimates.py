@@ -66,11 +66,19 @@ class AcceptanceTracker:
         return [(p + prior * w) / (r + w) for p, r in zip(self.passed, self.reached)]
 
 
+def memory_key(setting: tuple, rows: int, serial: bool = False) -> tuple:
+    """`LookaheadMemory`'s key for verification times: the policy's setting (executor, target threads), the count of
+    active rows, and "serial" for verifications the draft sat out. `LookaheadMemory.by_rows` reads keys back by
+    this layout, so it lives here, beside the memory."""
+    return (*setting, rows, *(("serial",) if serial else ()))
+
+
 class LookaheadMemory:
     """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time
     per K for each setting (concurrent draft or not, target threads, active rows) and each draft's pooled
     acceptance. A new call scales the remembered times by what it has measured itself (context and machine load
-    move them all), and does not explore a K already timed. A time is served to later calls once timed twice
+    move them all), and does not explore a K already timed (a K >= 1 is timed again once `RETIME_AFTER` rounds stale,
+    a close plain step at once: `LookaheadPolicy._choose`). A time is served to later calls once timed twice
     (`REMEMBER_AFTER`): a single timing may be a one-off (a process's first forwards, a busy moment), and a
     remembered cost far above the best is never timed again (measured: one serial verification of 3 positions
     at 800 ms in a bench's 8-token warm-up, against 365 ms when timed later, kept every later call's serial
@@ -97,10 +105,10 @@ class LookaheadMemory:
         return {k: t for k, t in self.verify.get(setting, {}).items() if counts.get(k, 0) >= REMEMBER_AFTER}
 
     def by_rows(self, setting: tuple, serial: bool = False) -> dict[int, dict[int, float]]:
-        """`times` per count of active rows of `setting` (the policy's setting without its rows: `_setting`)."""
-        n, tail = len(setting), ("serial",) if serial else ()
+        """`times` per count of active rows of `setting` (the policy's setting without its rows: `memory_key`)."""
+        n = len(setting)
         return {key[n]: self.times(key) for key in self.verify
-                if key[:n] == setting and key[n + 1:] == tail and len(key) == n + 1 + len(tail)}
+                if len(key) > n and memory_key(setting, key[n], serial) == key}
 
     def record(self, setting: tuple, k: int, seconds: float) -> None:
         times, counts = self.verify.setdefault(setting, {}), self.samples.setdefault(setting, {})

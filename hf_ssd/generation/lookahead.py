@@ -295,15 +295,24 @@ class LookaheadPolicy(RoundCosts):
                 self._record(limit, speeds, "trial", serial_speeds)
                 return limit
         top = max([*speeds.values(), *serial_speeds.values()])
-        # never timed, only remembered or timed long ago: remembered costs come from other contexts (the curve's
-        # steps move with the context) and a cost not chosen since it was timed is never measured again (one noisy
-        # plain step kept a useless draft's speculation going), so a close competitor of the best is timed again
+        # never timed, or timed long ago: a cost not chosen since it was timed is never measured again, so a close
+        # competitor of the best is timed again after `RETIME_AFTER` rounds. A K >= 1 remembered from earlier calls
+        # (scaled to this call) counts as timed when the call starts: it is timed again only as it goes stale (the
+        # curve's steps move with the context), not at once in every call — which spent 16 % of a nine-set bench's
+        # rounds re-timing serial K = 1..4 in each call's first rounds. A remembered plain step is timed again at
+        # once when close: one noisy plain step kept a useless draft's speculation going.
         def untimed(mode, mode_speeds, known, timed_now):
             chosen = (mode == SERIAL) == (self._mode == SERIAL)  # `best` is a K of this mode
+            remembered = set(self.memory.times(self._setting(mode == SERIAL))) if self.memory is not None else set()
 
             def stale(k: int) -> bool:
-                last = self._timed_at.get((mode == SERIAL, k), self._rounds)
-                return k not in timed_now or self._rounds - last > RETIME_AFTER
+                if k in timed_now:
+                    last = self._timed_at.get((mode == SERIAL, k), self._rounds)
+                elif k > 0 and k in remembered:
+                    last = 0
+                else:
+                    return True
+                return self._rounds - last > RETIME_AFTER
 
             def close(k: int, v: float) -> bool:
                 plain_in_batch = k == 0 and mode == CONCURRENT and self._active_rows > 1 and k not in known
