@@ -398,21 +398,28 @@ def test_a_later_call_remembers_the_cost_curve(clock):
     assert other.verify_seconds(4) is None and other.acceptance.prior == 0.7  # another setting, another draft
 
 
+def _remembering_policy(remembered: dict[int, float], measured: dict[int, float], acceptance: float):
+    """A policy 3 rounds into a call, with `remembered` timed twice by earlier calls (one thread, one row), `measured`
+    timed in this call, and per-position acceptance `acceptance` over 10 samples."""
+    memory = estimates_module.LookaheadMemory()
+    for k, seconds in remembered.items():
+        memory.record(("thread", 1, 1), k, seconds)
+        memory.record(("thread", 1, 1), k, seconds)
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=acceptance, concurrent=True, memory=memory,
+                             setting=("thread", 1))
+    policy._rounds = 3
+    _measured(policy, measured)
+    policy.acceptance.reached = [10.0] * 5
+    policy.acceptance.passed = [10.0 * acceptance] * 5
+    return policy
+
+
 def test_a_close_remembered_cost_is_timed_again_once_stale(clock):
     """A K timed only in earlier calls (at another context, where the cost curve's steps may lie elsewhere) counts as
     timed when a call starts: not re-timed in each call's first rounds (that spent 16 % of a bench's rounds), but
     timed again once `RETIME_AFTER` rounds old if its remembered speed is within 10 % of the best; then its own
     measurement decides."""
-    memory = estimates_module.LookaheadMemory()
-    for k, seconds in {0: 0.25, 1: 0.335, 2: 0.335, 3: 0.51, 4: 0.52}.items():
-        memory.record(("thread", 1, 1), k, seconds)
-        memory.record(("thread", 1, 1), k, seconds)
-    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.95, concurrent=True, memory=memory,
-                             setting=("thread", 1))
-    policy._rounds = 3
-    _measured(policy, {4: 0.52})
-    policy.acceptance.reached = [10.0] * 5
-    policy.acceptance.passed = [9.5] * 5
+    policy = _remembering_policy({0: 0.25, 1: 0.335, 2: 0.335, 3: 0.51, 4: 0.52}, {4: 0.52}, acceptance=0.95)
     assert policy.choose(4) == 4 and policy.trace[-1]["why"] == "best"  # K = 2 remembered, close: not yet
     policy._rounds = lookahead_module.RETIME_AFTER + 1
     assert policy.choose(4) == 2 and policy.trace[-1]["why"] == "explore"  # remembered long ago, close: timed again
@@ -423,16 +430,7 @@ def test_a_close_remembered_cost_is_timed_again_once_stale(clock):
 def test_a_close_remembered_plain_step_is_timed_again_at_once(clock):
     """The plain step is the exception: remembered, close to the best, it is timed again in this call's first
     rounds (one noisy plain step kept a useless draft's speculation going)."""
-    memory = estimates_module.LookaheadMemory()
-    for k, seconds in {0: 0.30, 1: 0.335, 2: 0.335, 3: 0.51, 4: 0.52}.items():
-        memory.record(("thread", 1, 1), k, seconds)
-        memory.record(("thread", 1, 1), k, seconds)
-    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.2, concurrent=True, memory=memory,
-                             setting=("thread", 1))
-    policy._rounds = 3
-    _measured(policy, {1: 0.335})
-    policy.acceptance.reached = [10.0] * 5
-    policy.acceptance.passed = [2.0] * 5
+    policy = _remembering_policy({0: 0.30, 1: 0.335, 2: 0.335, 3: 0.51, 4: 0.52}, {1: 0.335}, acceptance=0.2)
     assert policy.choose(4) == 0 and policy.trace[-1]["why"] == "explore"
 
 
