@@ -5,6 +5,7 @@ sampling (the exact law, with a negative control)."""
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from types import SimpleNamespace
 
@@ -843,3 +844,25 @@ def test_a_plain_step_in_a_batch_is_tried_when_it_might_win(clock):
     assert 0.5 < batch.trace[-1]["tok_s"][0] / max(batch.trace[-1]["tok_s"].values()) < 0.9
     single = policy_at(1)
     assert single.choose(4, rows=1) != 0
+
+
+def test_a_costly_probe_comes_more_rarely(clock):
+    """A useless draft in a batch: plain steps win, and the paused draft's one-token probes are drafted just in
+    time, for every row (8 rows on a 2-core EPYC: ~0.6 of a plain step each). They are spaced so that probing
+    costs at most `PROBE_SHARE` of the plain steps' time; a cheap probe (one row of a small draft) keeps the base
+    spacing."""
+    def probes(jit_ms: float) -> list[int]:
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.05, concurrent=True, cost_shape=FLAT_SHAPE,
+                                 serial=True)
+        rounds = _drive_modes(policy, 120, concurrent_ms=lambda k: 900.0, serial_ms=lambda k: 400.0,
+                              plain_ms=380.0, draft_ms=450.0, jit_ms=jit_ms, clock=clock, acceptance=0.0)
+        assert all(k == 0 for k, _ in rounds[-40:])
+        plain = next(i for i, entry in enumerate(policy.trace) if entry["k"] == 0 and entry["why"] == "best")
+        return [i for i, entry in enumerate(policy.trace) if entry["k"] == 0 and entry.get("serial") == 1
+                and i >= plain + probing.PAUSE_AFTER]  # past the first plain steps' one-token depths
+
+    costly, cheap = probes(230.0), probes(20.0)
+    spacing = math.ceil(230.0 / 380.0 / probing.PROBE_SHARE)
+    assert spacing > probing.PROBE_EVERY and len(costly) >= 2
+    assert all(b - a >= spacing for a, b in zip(costly, costly[1:]))
+    assert cheap[1] - cheap[0] < spacing and len(cheap) > len(costly)

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from hf_ssd.generation.probing import PAUSE_AFTER, PROBE_CHAIN, PROBE_EVERY, PROBE_MAX, Probing
+from hf_ssd.generation.probing import PAUSE_AFTER, PROBE_CHAIN, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, Probing
 
 K_MAX = 4
 
 
-def _drive(probing: Probing, decisions: int, sample: float | None) -> list[int]:
+def _drive(probing: Probing, decisions: int, sample: float | None, probe_cost: float = 0.0) -> list[int]:
     """Depths over `decisions` plain-step decisions; every one-token depth's sample (None: none came back) arrives
-    before the decision after next, as a probe's does; a trial is taken as the policy's next round takes it."""
+    before the decision after next, as a probe's does; a trial is taken as the policy's next round takes it. A probe
+    costs `probe_cost` of a plain step."""
     depths, pending = [], {}
     for d in range(decisions):
         if d in pending and pending.pop(d) is not None:
             probing.free_sample(sample)
         probing.decide()
-        depth = probing.plain_depth(K_MAX)
+        depth = probing.plain_depth(K_MAX, probe_cost)
         if depth == 1:
             pending[d + 2] = sample
         if depth == K_MAX:
@@ -60,3 +61,21 @@ def test_speculating_resets_the_backoff_and_a_timed_plain_step_pauses_at_once():
     probing.timed_plain_step()
     probing.decide()
     assert probing.plain_depth(K_MAX) == 0  # paused: the first plain steps' one-token depth is skipped
+
+
+def test_probes_that_cost_much_of_a_plain_step_are_spaced_further_apart():
+    """Paused probing costs at most PROBE_SHARE of the plain steps' time: a batch's probe (8 rows: ~0.6 of a plain
+    step) comes every 20 rounds rather than every 8, backing off from there as before; a cheap one (one row: 0.15)
+    keeps the base spacing. Accepted probes still chain at once."""
+    costly = 0.6
+    spacing = -(-costly // PROBE_SHARE)
+    assert spacing > PROBE_EVERY
+    depths = _drive(Probing(), 200, None, probe_cost=costly)
+    probes = [d for d, depth in enumerate(depths) if depth == 1 and d >= PAUSE_AFTER]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == spacing - 1 and gaps[0] == max(spacing, 2 * PROBE_EVERY)
+    assert all(gap >= spacing for gap in gaps) and gaps[-1] == max(spacing, PROBE_MAX)
+    assert _drive(Probing(), 100, None, probe_cost=0.15) == _drive(Probing(), 100, None)
+    accepted = _drive(Probing(), 60, 1.0, probe_cost=costly)
+    first = [d for d, depth in enumerate(accepted) if depth == 1 and d >= PAUSE_AFTER][:2]
+    assert first[1] - first[0] <= 2  # chained right after the accepted one

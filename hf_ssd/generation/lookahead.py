@@ -200,7 +200,7 @@ class LookaheadPolicy(RoundCosts):
             depth = self.k_max
             self.probing.speculating()
         else:
-            depth = self._drafted_after(self.probing.plain_depth(self.k_max))
+            depth = self._drafted_after(self.probing.plain_depth(self.k_max, self._probe_cost()))
         if self.trace:
             self.trace[-1]["depth"] = depth
             if self.serial:
@@ -225,6 +225,15 @@ class LookaheadPolicy(RoundCosts):
             if rates:
                 self.trace[-1]["budget_tok_s"] = {b: round(v, 2) for b, v in rates.items()}
         return self.fanout.current
+
+    def _probe_cost(self) -> float:
+        """What a probe drafted just in time adds to its round, as a fraction of a plain step (`Probing` spaces
+        probes by it); 0 while either is unmeasured, or where probes are drafted beside the plain step."""
+        fixed = self.serial_fixed.value
+        if not self.serial_option or fixed is None:
+            return 0.0
+        plain = self.verify_seconds(0)
+        return fixed / plain if plain else 0.0
 
     def _drafted_after(self, depth: int) -> int:
         """With serial rounds available, the draft's work for a probe or a trial is done after the verification, on
