@@ -33,19 +33,6 @@ def test_budget_options_halve_down_to_one():
     assert FanoutBudget(8, adaptive=False, power=1.0, concurrent=True).options == [8]
 
 
-def test_a_batch_starts_with_a_tree_as_wide_as_one_rows_full_fan_out():
-    """Each tree step runs over rows x B_r branches: a batch starts at the budget whose tree is as wide as one row's
-    full fan-out (8 rows of 8 branches beside an 840 ms verification: 2.1 s a round, before anything was measured).
-    A fixed budget (not adaptive) stays as given."""
-    assert [FanoutBudget(8, adaptive=True, power=1.0, concurrent=True, rows=r).current for r in (1, 2, 3, 4, 8, 16)] \
-        == [8, 4, 2, 2, 1, 1]
-    assert FanoutBudget(8, adaptive=False, power=1.0, concurrent=True, rows=8).current == 8
-    # from there the budget grows where more branches pay: misses at 1 branch, a draft well inside the verification
-    budget = FanoutBudget(8, adaptive=True, power=1.0, concurrent=True, rows=8)
-    budget.observe(1, 0.3, hits=4, lookups=8)
-    assert _choose(budget, verify=0.8) == 2
-
-
 def _choose(budget: FanoutBudget, verify=0.4, backup=0.2, e=3.0):
     return budget.choose(verify, backup, 0.0, e, e, 0.3)[0]
 

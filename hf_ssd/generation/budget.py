@@ -14,12 +14,6 @@ from the measured ones (a fixed part and a part per branch; from a single measur
 to branches) so that it gets tried once when it might win, one step (a halving or doubling) from the budget in use
 at a time; an unmeasured hit rate follows the power law of the fan-out (miss ∝ B^-r, `SSDConfig.power_law_prior`)
 from the nearest measured budget. Leaving the budget in use asks for `SWITCH_MARGIN` more.
-
-A batch starts where its tree is as wide as one row's full fan-out: rows x B_r <= B branches per tree step (B_r = B
-for one row, 1 for a batch of B rows). Each tree step runs over every row's branches, so the draft's round grows with
-rows x B_r; started at B for every row, a batch's first concurrent rounds waited for a tree it could not afford
-(measured, 2-core EPYC, 0.5B draft on one core: 2.1 s a round for 8 rows x 8 branches, against 0.84 s for the
-verification it ran beside), before anything about its cost was known.
 """
 
 from __future__ import annotations
@@ -36,11 +30,10 @@ def budget_options(branches: int) -> list[int]:
 class FanoutBudget:
     """Chooses each round's fan-out budget (see the module docstring) and records what it measured per budget."""
 
-    def __init__(self, branches: int, adaptive: bool, power: float, concurrent: bool, rows: int = 1):
+    def __init__(self, branches: int, adaptive: bool, power: float, concurrent: bool):
         self.branches, self.adaptive, self.power, self.concurrent = branches, adaptive, power, concurrent
         self.options = budget_options(branches) if adaptive else [branches]
-        # the starting budget: as wide a tree as one row's full fan-out (see the module docstring)
-        self.current = next((b for b in self.options if b * max(rows, 1) <= branches), self.options[-1])
+        self.current = branches
         self.draft: dict[int, float] = {}  # budget -> seconds of a full-depth prepare (decayed mean)
         self.misses: dict[int, list[float]] = {}  # budget -> decayed [misses, lookups]
 

@@ -64,7 +64,7 @@ def ssd_decoding(
                              memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
                              draft_key=id(assistant_model), serial=shared_cores,
                              fanout=FanoutBudget(config.branches, _budget_adaptive(config), config.power_law_prior,
-                                                 concurrent=kind != "sync", rows=input_ids.shape[0]),
+                                                 concurrent=kind != "sync"),
                              confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
