@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from hf_ssd.generation.probing import PAUSE_AFTER, PROBE_CHAIN, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, Probing
 
 K_MAX = 4
@@ -68,7 +70,7 @@ def test_probes_that_cost_much_of_a_plain_step_are_spaced_further_apart():
     step) comes every 20 rounds rather than every 8, backing off from there as before; a cheap one (one row: 0.15)
     keeps the base spacing. Accepted probes still chain at once."""
     costly = 0.6
-    spacing = -(-costly // PROBE_SHARE)
+    spacing = math.ceil(costly / PROBE_SHARE)
     assert spacing > PROBE_EVERY
     depths = _drive(Probing(), 200, None, probe_cost=costly)
     probes = [d for d, depth in enumerate(depths) if depth == 1 and d >= PAUSE_AFTER]
