@@ -28,7 +28,8 @@ learnt where it matters: the curve's shape differs between machines (on one 2-co
 `depth` says how deep the draft prepares the next speculations: K_max while speculating
 pays; on plain steps one token deep twice (the free sample of a_1), then not at all — the draft pauses, since on a
 CPU its memory traffic slows the target's plain step — but for one-token probes, every `PROBE_EVERY` rounds at first
-and more rarely while they find nothing (`probing.py`). Returning from plain steps to speculation asks
+(further apart where a probe costs much of a plain step: a batch's) and more rarely while they find nothing
+(`probing.py`). Returning from plain steps to speculation asks
 for a larger promised gain than staying (`RESUME_MARGIN`). `lookahead_schedule="constant"` verifies K_max every
 round.
 """
