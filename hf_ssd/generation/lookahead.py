@@ -230,11 +230,10 @@ class LookaheadPolicy(RoundCosts):
     def _probe_cost(self) -> float:
         """What a probe drafted just in time adds to its round, as a fraction of a plain step (`Probing` spaces
         probes by it); 0 while either is unmeasured, or where probes are drafted beside the plain step."""
-        fixed = self.serial_fixed.value
-        if not self.serial_option or fixed is None:
+        if not self.serial_option or self.serial_fixed.value is None:
             return 0.0
         plain = self.verify_seconds(0)
-        return fixed / plain if plain else 0.0
+        return self.serial_drafting_seconds(1) / plain if plain else 0.0
 
     def _drafted_after(self, depth: int) -> int:
         """With serial rounds available, the draft's work for a probe or a trial is done after the verification, on
