@@ -22,7 +22,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert (tmp_path / "gpu_check.md").read_text().startswith("# hf_ssd device check")
-    assert report["skipped"] == []
+    assert report["skipped"] == [] and report["failed"] == []
     methods = {(r["method"], r["batch"], r["sampling"]) for r in report["results"]}
     for sampling in (False, True):
         for batch in (1, 2):
