@@ -253,7 +253,8 @@ def test_thread_counts_during_and_after(pair, case, monkeypatch, executor):
     draft_seen = set()
 
     def prepare(self, *args):
-        draft_seen.add((threading.current_thread().name.startswith("hf-ssd-draft"), torch.get_num_threads()))
+        drafting = args[1] != 0  # a paused prepare (depth 0) drafts nothing: it runs inline, in the caller's thread
+        draft_seen.add((drafting, threading.current_thread().name.startswith("hf-ssd-draft"), torch.get_num_threads()))
         return original(self, *args)
 
     monkeypatch.setattr(SaguaroCandidateGenerator, "prepare", prepare)
@@ -263,9 +264,11 @@ def test_thread_counts_during_and_after(pair, case, monkeypatch, executor):
                           logits_processor=LogitsProcessorList([processor]))
     assert torch.equal(out, expected)
     if executor in ("thread", "stream"):
-        assert processor.seen == {3} and draft_seen == {(True, 2)}
+        assert processor.seen == {3} and {seen for seen in draft_seen if seen[0]} == {(True, True, 2)}
+        assert {seen for seen in draft_seen if not seen[0]} == {(False, False, 3)}  # paused: inline
         assert (target.ssd_metrics.draft_threads, target.ssd_metrics.target_threads) == (2, 3)
     else:  # inline: the caller's own thread and thread count
-        assert processor.seen == {threads_before} and draft_seen == {(False, threads_before)}
+        assert processor.seen == {threads_before}
+        assert {seen[1:] for seen in draft_seen} == {(False, threads_before)}
     assert torch.get_num_threads() == threads_before
     assert draft_threads_alive() == []

@@ -36,3 +36,21 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         if r["method"].startswith("ssd"):
             assert 0 <= r["target_idle"] <= 1 and r["rounds"] > 0 and r["target_phase_ms"]
             assert r["vs_ar"] is not None
+
+
+def test_gpu_plain_rounds_tiny_on_cpu(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_plain_rounds.py"), "--device", "cpu", "--tiny", "--out",
+         str(tmp_path), "--new-tokens", "8", "--batch-sizes", "1,2"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "plain_rounds.json").read_text())
+    assert {(r["name"], r["batch"]) for r in rows} == {(n, b) for n in ("ar", "ssd-thread", "ssd-stream")
+                                                      for b in (1, 2)}
+    for r in rows:
+        assert r["tok_s"] > 0 and r["vs_ar"] > 0 and r["plain_forward_ms"] > 0
+        if r["name"] != "ar":
+            assert 0 <= r["plain_round_share"] <= 1 and r["phases_ms"]["target_forward"] > 0
+    assert "ssd_decoding" in (tmp_path / "profile.txt").read_text()

@@ -372,7 +372,7 @@ E2E_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("draft, executor", [("self", "sync"), ("random", "process")])
+@pytest.mark.parametrize("draft, executor", [("self", "sync"), ("random", "process"), ("random", "stream")])
 def test_ssd_sampling_law_under_the_adaptive_schedule(models, draft, executor):
     """The default schedule, unscripted: K chosen from the run's own timings (plain steps, pauses and returns
     included where it decides so); the law is the target's."""

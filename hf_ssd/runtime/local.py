@@ -67,12 +67,13 @@ class LocalExecutor(DraftExecutor):
         if self._stop.is_set():
             raise DraftCancelled()
 
-    def _run(self, fn, args):
+    def _run(self, fn, args, settle: bool = True):
         start = time.perf_counter()
         try:
             with torch.no_grad():
                 result = fn(*args)
-                self._settle()
+                if settle:
+                    self._settle()
             return result
         finally:
             self._busy += time.perf_counter() - start
@@ -83,13 +84,15 @@ class LocalExecutor(DraftExecutor):
         if self.draft_device.type not in ("cpu", "meta"):
             torch.get_device_module(self.draft_device).synchronize(self.draft_device)
 
-    def _submit(self, fn, *args) -> Future:
-        if self._pool is not None:
+    def _submit(self, fn, *args, inline: bool = False) -> Future:
+        """Run `fn(*args)` on the draft's thread, or in the caller's (`inline`: bookkeeping too small to be worth a
+        thread hand-off) once the draft's thread has nothing in flight, so the draft's state is never shared."""
+        if self._pool is not None and not (inline and (self._last is None or self._last.done())):
             self._last = self._pool.submit(self._run, fn, args)
             return self._last
         future: Future = Future()
         try:
-            future.set_result(self._run(fn, args))
+            future.set_result(self._run(fn, args, settle=not inline))
         except Exception as err:  # KeyboardInterrupt and SystemExit propagate at once
             future.set_exception(err)
         return future
@@ -105,7 +108,8 @@ class LocalExecutor(DraftExecutor):
 
     def prepare(self, verified: int, depth: int, budget: int) -> Future:
         self.drafter.announce(None)
-        return self._submit(self.drafter.prepare, verified, depth, None, budget)
+        # paused (depth 0): nothing to draft, so no hand-off to the draft's thread beside the target's plain step
+        return self._submit(self.drafter.prepare, verified, depth, None, budget, inline=depth == 0)
 
     def announce(self, accepted, bonus) -> None:
         self.drafter.announce(list(zip(accepted, bonus)))
@@ -122,7 +126,8 @@ class LocalExecutor(DraftExecutor):
                 return choice.run(lambda: self.drafter.resolve(*args), drafted_tokens)
 
             return self._submit(drafted_just_in_time, *args)
-        return self._submit(self.drafter.resolve, *args)
+        # after a paused round, resolving is bookkeeping (the committed tokens wait to be glued on resuming)
+        return self._submit(self.drafter.resolve, *args, inline=self.drafter.depth == 0)
 
     def timings(self):
         return dataclasses.replace(self.drafter.timings)

@@ -46,9 +46,10 @@ class StreamExecutor(LocalExecutor):
     def _settle(self) -> None:  # hand-offs are events, see `HandOff`
         pass
 
-    def _submit(self, fn, *args) -> HandOff:
+    def _submit(self, fn, *args, inline: bool = False) -> HandOff:
         ready = self.streams.mark(self.target_device)  # the inputs, as the caller has issued them so far
-        return HandOff(super()._submit(self._on_side, fn, ready, args), self.streams, self.target_device)
+        return HandOff(super()._submit(self._on_side, fn, ready, args, inline=inline), self.streams,
+                       self.target_device)
 
     def _on_side(self, fn, ready, args):
         with self.streams.on_side(after=ready):
