@@ -20,6 +20,8 @@ transformers wheel along (11 MB):
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        -d .whl regex==2025.11.3  # transformers 5.24 asks for regex >= 2025.10.22
     # device run, carry [".whl"], timeout_s 540:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT --budget-s 420
