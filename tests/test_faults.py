@@ -272,3 +272,33 @@ def test_thread_counts_during_and_after(pair, case, monkeypatch, executor):
         assert {seen[1:] for seen in draft_seen} == {(False, threads_before)}
     assert torch.get_num_threads() == threads_before
     assert draft_threads_alive() == []
+
+
+@pytest.mark.parametrize("executor", ["thread", "stream"])
+def test_only_drafting_prepares_leave_the_callers_thread(pair, case, monkeypatch, executor):
+    """`begin` and `resolve` are waited for at once, so they run in the caller's thread (the prefill and just-in-time
+    drafting on every core there); only a `prepare` that drafts runs on the draft's thread, never on more than the
+    draft's intra-op threads: a second OpenMP team there that, with the target's, outnumbers the cores makes libgomp
+    stop spinning, and every parallel region of the target's then waits for a futex wake-up."""
+    target, random_draft = pair
+    ids, expected = case
+    seen: dict[str, set] = {"begin": set(), "prepare": set(), "resolve": set()}
+    for name in seen:
+        original = getattr(SaguaroCandidateGenerator, name)
+
+        def spy(self, *args, _name=name, _original=original):
+            on_draft_thread = threading.current_thread().name.startswith("hf-ssd-draft")
+            drafting = _name != "prepare" or args[1] != 0
+            seen[_name].add((on_draft_thread, drafting, torch.get_num_threads()))
+            return _original(self, *args)
+
+        monkeypatch.setattr(SaguaroCandidateGenerator, name, spy)
+    for draft in (target, random_draft):  # a draft that speculates, and one the policy pauses and probes with
+        config = SSDConfig(executor=executor, draft_threads=2, target_threads=3)
+        out = target.generate(ids, assistant_model=draft, ssd_config=config, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(out, expected)
+    assert {on for on, _, _ in seen["begin"] | seen["resolve"]} == {False}
+    assert (True, True, 2) in seen["prepare"]  # speculation was drafted beside the verification
+    assert all(threads == 2 for on, _, threads in seen["prepare"] if on)
+    assert {(drafting, on) for on, drafting, _ in seen["prepare"]} <= {(True, True), (False, False)}
+    assert draft_threads_alive() == []

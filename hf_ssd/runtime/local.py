@@ -84,50 +84,62 @@ class LocalExecutor(DraftExecutor):
         if self.draft_device.type not in ("cpu", "meta"):
             torch.get_device_module(self.draft_device).synchronize(self.draft_device)
 
-    def _submit(self, fn, *args, inline: bool = False) -> Future:
-        """Run `fn(*args)` on the draft's thread, or in the caller's (`inline`: bookkeeping too small to be worth a
-        thread hand-off) once the draft's thread has nothing in flight, so the draft's state is never shared."""
+    def _submit(self, fn, *args, inline: bool = False, settle: bool = True) -> Future:
+        """Run `fn(*args)` on the draft's thread, or in the caller's (`inline`: work the caller waits for at once)
+        once the draft's thread has nothing in flight, so the draft's state is never shared. `settle`: wait until
+        the draft's device has run the work (nothing to wait for after a paused round's bookkeeping)."""
         if self._pool is not None and not (inline and (self._last is None or self._last.done())):
             self._last = self._pool.submit(self._run, fn, args)
             return self._last
         future: Future = Future()
         try:
-            future.set_result(self._run(fn, args, settle=not inline))
+            future.set_result(self._run(fn, args, settle=settle))
         except Exception as err:  # KeyboardInterrupt and SystemExit propagate at once
             future.set_exception(err)
         return future
 
     # --- the round protocol ----------------------------------------------------------------------------------
+    # Only `prepare` runs beside the verification; the caller waits at once for `begin` and `resolve`, so those run
+    # inline, in its thread. That also keeps the draft's thread to the draft's own intra-op threads: once a second
+    # thread of the process has run an OpenMP team, libgomp sees more threads than cores and stops spinning, and
+    # every parallel region of the target's then pays a futex wake-up (a tiny Llama's plain step at batch 4 on 2
+    # cores ran 3x slower for the rest of the generation after the draft's prefill on every core in its thread).
     def begin(self, input_ids, attention_mask) -> Future:
         def on_all_cores(ids, mask):  # the target waits for it: every core this generation has
             threads = self.request.draft_threads + self.request.target_threads if self.kind != "sync" else None
             with torch_threads(threads):
                 return self.drafter.begin(ids, mask)
 
-        return self._submit(on_all_cores, input_ids, attention_mask)
+        return self._submit(on_all_cores, input_ids, attention_mask, inline=True)
 
     def prepare(self, verified: int, depth: int, budget: int) -> Future:
         self.drafter.announce(None)
         # paused (depth 0): nothing to draft, so no hand-off to the draft's thread beside the target's plain step
-        return self._submit(self.drafter.prepare, verified, depth, None, budget, inline=depth == 0)
+        return self._submit(self.drafter.prepare, verified, depth, None, budget, inline=depth == 0,
+                            settle=depth != 0)
 
     def announce(self, accepted, bonus) -> None:
         self.drafter.announce(list(zip(accepted, bonus)))
 
     def resolve(self, accepted, bonus, verified, keep_rows, backup, serial: int = 0, stop=None) -> Future:
         args = (list(zip(accepted, bonus)), verified, keep_rows, backup, serial, stop)
+        request = self.request
         if serial and self.kind != "sync":  # the target waits for this speculation: every core drafts it, or the
             # draft's own threads where that is faster (`ThreadChoice`)
-            request = self.request
             choice = drafting_threads(self.drafter.model,
                                       (request.draft_threads + request.target_threads, request.draft_threads))
 
             def drafted_just_in_time(*args):
                 return choice.run(lambda: self.drafter.resolve(*args), drafted_tokens)
 
-            return self._submit(drafted_just_in_time, *args)
-        # after a paused round, resolving is bookkeeping (the committed tokens wait to be glued on resuming)
-        return self._submit(self.drafter.resolve, *args, inline=self.drafter.depth == 0)
+            return self._submit(drafted_just_in_time, *args, inline=True)
+        paused = self.drafter.depth == 0  # then resolving is bookkeeping: the committed tokens wait to be glued
+
+        def on_draft_threads(*args):  # a backup drafts on the draft's own intra-op threads, as on its thread
+            with torch_threads(request.draft_threads if self.kind != "sync" and not paused else None):
+                return self.drafter.resolve(*args)
+
+        return self._submit(on_draft_threads, *args, inline=True, settle=not paused)
 
     def timings(self):
         return dataclasses.replace(self.drafter.timings)

@@ -46,9 +46,9 @@ class StreamExecutor(LocalExecutor):
     def _settle(self) -> None:  # hand-offs are events, see `HandOff`
         pass
 
-    def _submit(self, fn, *args, inline: bool = False) -> HandOff:
+    def _submit(self, fn, *args, inline: bool = False, settle: bool = True) -> HandOff:
         ready = self.streams.mark(self.target_device)  # the inputs, as the caller has issued them so far
-        return HandOff(super()._submit(self._on_side, fn, ready, args, inline=inline), self.streams,
+        return HandOff(super()._submit(self._on_side, fn, ready, args, inline=inline, settle=settle), self.streams,
                        self.target_device)
 
     def _on_side(self, fn, ready, args):
