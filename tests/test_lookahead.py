@@ -29,7 +29,7 @@ from hf_ssd.ema import DecayedMean
 from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation import probing
-from hf_ssd.generation.candidate_generator import DraftTimings
+from hf_ssd.generation.candidate_generator import DraftTimings, SaguaroCandidateGenerator
 from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE
 from hf_ssd.generation.estimates import expected_tokens
 from hf_ssd.generation.lookahead import LookaheadPolicy
@@ -579,6 +579,54 @@ def test_greedy_identical_through_serial_rounds(serial_scripted, arch, executor)
         assert m.rounds_by_source.get("serial", 0) >= 4 and m.generated_tokens == 37
         if itself:
             assert m.draft_acceptance_rate == 1.0 and m.tokens_per_round_by_source["serial"] > 1
+
+
+# Long pauses between resumes: every paused round after the first of a run takes the bookkeeping-only path
+PAUSED_SCRIPT = [(0, 1), (0, 0), (0, 0), (0, 0), (0, 0), (0, 3), (3, 3), (0, 0), (0, 0), (0, 0), (0, 1), (1, 3)]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_repeated_paused_rounds_keep_the_drafts_state(monkeypatch, do_sample):
+    """A paused round right after one that ran nothing (`_resolve_paused_again`) leaves the draft exactly as the
+    full paused resolve does: its state after every paused round, and so every draft on resuming and every sampled
+    token under one seed, are the same, and a draft that is the target still has every greedy token accepted.
+    (Backup and fan-out budget are fixed: chosen from timings, they could differ between the two runs.)"""
+    _script(monkeypatch, PAUSED_SCRIPT)
+    target, _ = tiny_pair("llama", seed=71)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(72))
+    states, again = [], SaguaroCandidateGenerator._resolve_paused_again
+    full_resolve = SaguaroCandidateGenerator._resolve_paused
+
+    def recorded(self, *args, **kwargs):
+        out = full_resolve(self, *args, **kwargs)
+        states[-1].append((self.glue_start.tolist(), self.t_prev.tolist(), self.unglued.tolist(),
+                           [list(c) for c in self.contexts], [s.tokens.tolist() for s in self.speculations]))
+        return out
+
+    def the_full_path(self, outcomes):
+        self._paused_at = None
+        return full_resolve(self, outcomes, 0, list(range(self.rows)))
+
+    monkeypatch.setattr(SaguaroCandidateGenerator, "_resolve_paused", recorded)
+    outputs, fast_calls = [], []
+    for path in (again, the_full_path):
+        def counted(self, outcomes, _path=path):
+            fast_calls.append(_path is again)
+            return _path(self, outcomes)
+
+        monkeypatch.setattr(SaguaroCandidateGenerator, "_resolve_paused_again", counted)
+        states.append([])
+        torch.manual_seed(73)
+        outputs.append(target.generate(ids, assistant_model=target, max_new_tokens=40, do_sample=do_sample,
+                                       top_k=0, ssd_config=SSDConfig(lookahead=3, executor="sync", backup="draft",
+                                                                      fanout_budget_schedule="constant")))
+        assert target.ssd_metrics.cache_hits > 0
+        assert do_sample or target.ssd_metrics.draft_acceptance_rate == 1.0  # (sampling: Saguaro reshapes q)
+    assert sum(fast_calls) >= 6 and fast_calls.count(False) == sum(fast_calls)  # each path ran equally often
+    assert torch.equal(outputs[0], outputs[1])
+    assert states[0] == states[1] and len(states[0]) >= 10
+    if not do_sample:
+        assert torch.equal(outputs[0], target.generate(ids, max_new_tokens=40, do_sample=False))
 
 
 def batch_greedy_runs(seed: int, ids_seed: int, new_tokens: int, config: SSDConfig):

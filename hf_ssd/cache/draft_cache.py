@@ -264,6 +264,7 @@ class DraftCache:
         self._windows = attention_windows(model.config)
         self._cache_kwarg = cache_kwarg(model)
         self._dtype = next(model.parameters()).dtype
+        self.version = 0  # counts the calls that may change the slots (`forward`, `keep`)
 
     def __len__(self) -> int:
         return self.positions.shape[1]
@@ -283,6 +284,7 @@ class DraftCache:
         Invalid slots left before that point (padding, dummy queries) are holes; once they make the cache more than
         `max_holes` columns wider than a full compaction would, the whole cache is compacted.
         """
+        self.version += 1
         if rows is not None:
             keep, self.positions, self.valid = keep[rows], self.positions[rows], self.valid[rows]
             for layer in self._layers():
@@ -325,6 +327,7 @@ class DraftCache:
     ) -> torch.Tensor:
         """Append N tokens per row ([b, N]) at logical `positions` [b, N]; `visible` is [b, N, len(self)+N];
         `valid` [b, N] marks real tokens (default all). Returns logits [b, N', V] over the target's vocabulary."""
+        self.version += 1
         if (self.model_vocab_size or 0) < (self.vocab_size or 0):
             tokens = tokens.clamp_max(self.model_vocab_size - 1)  # a padding id the draft has no row for
         key_pos = torch.cat([self.positions, positions], dim=1)
