@@ -51,6 +51,22 @@ class Speculation:
         return self.source == CACHE
 
 
+@dataclass
+class Resolution:
+    """The speculation for a row's next round, and whether it was found in the cache (a hit); `looked_up` is
+    False after a plain step while the draft was paused (nothing to look up, the next speculation is empty)."""
+
+    speculation: Speculation
+    hit: bool
+    looked_up: bool = True
+
+
+def plain_resolutions(rows: int, device: torch.device | str) -> list[Resolution]:
+    """Every row's resolution after a plain step the draft sat out: an empty speculation, nothing looked up."""
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return [Resolution(Speculation(empty, None, PLAIN), hit=False, looked_up=False) for _ in range(rows)]
+
+
 class SpeculationCache:
     """Branches prepared during one verification, addressable by the outcome they anticipate.
 

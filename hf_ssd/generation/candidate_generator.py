@@ -8,7 +8,8 @@ Per round, while the target verifies speculation S = [t_prev, s_1..s_K] of every
 When the outcomes (k_i, bonus_i) arrive, `resolve` keeps each row's accepted glue slots (and its hit branch),
 compacts the rows, drops finished ones, and returns per row the cached speculation (hit) or the backup's (miss).
 Only tokens and q travel to the target, never KV. The draft's one-token-per-forward drafting (a serial round's
-speculation, the draft backup's) is `just_in_time.py`.
+speculation, the draft backup's) is `just_in_time.py`; resolving after rounds the draft sat out (plain steps,
+serial rounds) is `paused.py`.
 
 It also implements transformers' `CandidateGenerator` interface (`get_candidates` / `update_candidate_strategy`),
 so it can serve the stock assisted-decoding loop synchronously.
@@ -33,7 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache.draft_cache import DraftCache, compiled_call, default_compile
-from ..cache.speculation_cache import PLAIN, SERIAL, Speculation, SpeculationCache, lookup_kind
+from ..cache.speculation_cache import Resolution, Speculation, SpeculationCache, lookup_kind
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
 from ..metrics import PhaseTimer
@@ -41,6 +42,7 @@ from .checks import model_vocab_size
 from .confidence import StopRule
 from .fanout import FanoutEstimator, fork_candidates
 from .just_in_time import JustInTimeDrafting
+from .paused import PausedDrafting
 from .saguaro import draft_probs
 
 # Sampling warpers that act on scores alone; the draft applies exactly these (in the target's order) to q.
@@ -54,16 +56,6 @@ SAMPLING_WARPERS = (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
 )
-
-
-@dataclass
-class Resolution:
-    """The speculation for a row's next round, and whether it was found in the cache (a hit); `looked_up` is
-    False after a plain step while the draft was paused (nothing to look up, the next speculation is empty)."""
-
-    speculation: Speculation
-    hit: bool
-    looked_up: bool = True
 
 
 @dataclass
@@ -103,7 +95,7 @@ def sampling_warpers(logits_processor) -> list:
     return [p for p in (logits_processor or []) if isinstance(p, SAMPLING_WARPERS)]
 
 
-class SaguaroCandidateGenerator(JustInTimeDrafting, CandidateGenerator):
+class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGenerator):
     """Draft-side state machine of SSD for one generation of b rows (b shrinks as rows finish).
 
     Args:
@@ -167,9 +159,6 @@ class SaguaroCandidateGenerator(JustInTimeDrafting, CandidateGenerator):
         self._round = 0
         self._base_seed = seed
         self._last_accepted: int | None = None
-        # (cache, version) after a paused resolve that ran nothing: the next one, if nothing ran in between, is pure
-        # bookkeeping (`_resolve_paused_again`)
-        self._paused_at: tuple | None = None
 
     @property
     def rows(self) -> int:
@@ -451,84 +440,6 @@ class SaguaroCandidateGenerator(JustInTimeDrafting, CandidateGenerator):
         self._backup_speculations(missed, backup, self.depth,
                                   stop=stop if len(missed) == len(self.speculations) else None)
         return [Resolution(self.speculations[i], found_by_row[r] is not None) for i, r in enumerate(keep_rows)]
-
-    def _resolve_paused(self, outcomes, verified: int, keep_rows, serial: int = 0, stop: StopRule | None = None
-                        ) -> list[Resolution]:
-        """After a verification the draft sat out: commit each row's accepted tokens and bonus. The cache keeps
-        what it holds of the committed path (positions up to t_prev + accepted); the committed tokens it lacks
-        wait, before the new t_prev, to be glued on resuming (`unglued`), or are fed now when rows lack different
-        numbers of them (a batch after a serial round). With `serial` > 0 the draft then drafts that many tokens
-        per row just in time, feeding what the cache lacks, t_prev included, in its first forward."""
-        if (serial == 0 and verified == 0 and keep_rows == list(range(self.rows))
-                and self._paused_at == (self.cache, self.cache.version)):
-            return self._resolve_paused_again(outcomes)
-        started = time.perf_counter()
-        selected = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        accepted = torch.tensor([a for a, _ in outcomes], dtype=torch.long, device=self.device)
-        keep = self.cache.valid & (self.cache.positions <= (self.glue_start + accepted)[:, None])
-        with self.clock("compact"):
-            self.cache.keep(keep, None if len(keep_rows) == self.rows else selected, max_holes=self.lookahead)
-        for r, (acc, _) in enumerate(outcomes):
-            if verified:  # a serial speculation's acceptance feeds the fan-out's estimate as a backup's does
-                self.estimator.record_round(lookup_kind(self.speculations[r].source), acc, verified)
-        for r in keep_rows:
-            acc, bonus = outcomes[r]
-            self.contexts[r].extend(self.speculations[r].tokens[:acc].tolist())
-            self.contexts[r].append(bonus)
-        bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
-        self.glue_start = (self.glue_start + accepted + 1)[selected]
-        self.t_prev = bonuses[selected]
-        self.contexts = [self.contexts[r] for r in keep_rows]
-        self.spec_cache = None
-        self.schedules = self.estimator.schedules()
-        self._round += 1
-        self._reseed(1)
-        missing = self._uncached(through_t_prev=serial > 0)
-        if serial == 0 and len({len(m) for m in missing}) == 1:  # one plain step after another: nothing to run
-            self.unglued = torch.tensor(missing, dtype=torch.long, device=self.device).reshape(len(missing), -1)
-            empty = torch.zeros(0, dtype=torch.long, device=self.device)
-            self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
-            self._paused_at = (self.cache, self.cache.version)
-            return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
-        self.unglued = self.unglued.new_zeros(len(keep_rows), 0)
-        first = self._feed(missing, through_t_prev=serial > 0, phase="serial" if serial else "glue")
-        if serial == 0:
-            empty = torch.zeros(0, dtype=torch.long, device=self.device)
-            self.speculations = [Speculation(empty, None, PLAIN) for _ in keep_rows]
-            return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
-        every = torch.ones(len(keep_rows), dtype=torch.bool, device=self.device)
-        fed = time.perf_counter()
-        tokens, probs, tops, confidence = self._draft_just_in_time(every, serial, "serial", first=first,
-                                                                   stop=stop)
-        if first is not None and tokens.shape[1] > 1:  # the steps: one forward per token after the first
-            self.timings.serial_steps += tokens.shape[1] - 1
-            self.timings.serial_step_seconds += time.perf_counter() - fed
-        self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i],
-                                         confidence=None if confidence is None else confidence[i])
-                             for i in range(len(keep_rows))]
-        self.timings.serial_calls += 1
-        self.timings.serial_tokens += tokens.shape[1]
-        self.timings.serial_seconds += time.perf_counter() - started
-        return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
-
-    def _resolve_paused_again(self, outcomes) -> list[Resolution]:
-        """`_resolve_paused` for a plain step right after one that ran nothing, every row kept: the cache is as that
-        one left it (nothing to drop), nothing was verified (no estimate moves, so the fan-out schedules stand), and
-        the one committed token the cache newly lacks per row is the old t_prev. The same state, without the
-        per-round tensor work and host reads (a tiny pair's plain round spent 0.7 ms here, a quarter of AR's step).
-        """
-        bonuses = [bonus for _, bonus in outcomes]
-        for context, bonus in zip(self.contexts, bonuses):
-            context.append(bonus)
-        self.unglued = torch.cat([self.unglued, self.t_prev[:, None]], dim=1)
-        self.glue_start = self.glue_start + 1
-        self.t_prev = torch.tensor(bonuses, dtype=torch.long, device=self.device)
-        self.spec_cache = None
-        self._round += 1
-        self._reseed(1)
-        empty = self.t_prev.new_zeros(0)
-        self.speculations = [Speculation(empty, None, PLAIN) for _ in bonuses]
-        return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
 
     # --- transformers' CandidateGenerator interface (synchronous, batch 1) --------------------------------------
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from ..cache.speculation_cache import NOT_LOOKED_UP, PLAIN, Speculation
+from ..cache.speculation_cache import NOT_LOOKED_UP, Resolution, Speculation, plain_resolutions
 from ..config import SSDConfig
-from ..generation.candidate_generator import DraftTimings, Resolution
+from ..generation.candidate_generator import DraftTimings
 from . import wire
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
 from .pool import CLOSE_TIMEOUT, POOL, Worker, raise_remote
@@ -148,9 +148,7 @@ class ProcessExecutor(DraftExecutor):
         seq = self._send(wire.RESOLVE, verified, wire.BACKUPS.index(backup), count, d=serial)
         if self._depth == 0 and serial == 0:
             self._deferred = seq
-            empty = torch.zeros(0, dtype=torch.long, device=self.draft_device)
-            return _Known([Resolution(Speculation(empty, None, PLAIN), hit=False, looked_up=False)
-                           for _ in range(count)])
+            return _Known(plain_resolutions(count, self.draft_device))
         return _Pending(self, seq, lambda: self._speculations(slot, count))
 
     def timings(self) -> DraftTimings:
