@@ -22,6 +22,15 @@ from transformers import (  # noqa: E402
 )
 
 from hf_ssd import enable_ssd  # noqa: E402
+from hf_ssd.generation.estimates import LookaheadMemory  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lookahead_memory():
+    """Each test starts with no costs or acceptance remembered from earlier tests' calls on shared models (a call
+    after calls that found a draft useless starts with plain steps: which test ran first would decide the path)."""
+    LookaheadMemory._by_model.clear()
+    yield
 
 # Tiny models: one intra-op thread per test process is fastest, and pytest-xdist runs one process per core.
 torch.set_num_threads(1)

@@ -326,7 +326,8 @@ def test_batch_law_negative_control_rows_swapped(law_models, monkeypatch):
 
     monkeypatch.setattr(target_rows, "accept", swapped)
     target = law_models["target"]
-    config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync")
+    config = SSDConfig(lookahead=2, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync",
+                       lookahead_schedule="constant")  # every round on the corrupted path
     counts, _, _ = batch_counts(target, law_models["self"], config, seed=77)
     worst = min(min(law_pvalues(exact_law(target, TEMPERATURE, tuple(p)), counts[n]).values())
                 for n, p in (("long", PROMPT), ("short", SHORT_PROMPT)))

@@ -42,8 +42,10 @@ def draft_threads_alive() -> list[str]:
 
 
 def ssd(target, draft, ids, executor, **kwargs):
-    return target.generate(ids, assistant_model=draft, ssd_config=SSDConfig(lookahead=3, executor=executor),
-                           max_new_tokens=NEW, do_sample=False, **kwargs)
+    """SSD with the draft at work every round (a constant schedule: the adaptive one pauses a useless draft)."""
+    config = SSDConfig(lookahead=3, executor=executor, lookahead_schedule="constant")
+    return target.generate(ids, assistant_model=draft, ssd_config=config, max_new_tokens=NEW, do_sample=False,
+                           **kwargs)
 
 
 def assert_clean_and_working(target, draft, ids, expected, executor, threads_before):

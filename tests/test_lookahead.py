@@ -502,6 +502,7 @@ def _script(monkeypatch, script):
 
     monkeypatch.setattr(LookaheadPolicy, "_choose", choose)
     monkeypatch.setattr(LookaheadPolicy, "depth", depth)
+    monkeypatch.setattr(LookaheadPolicy, "first_depth", lambda self, rows=1: self.k_max)  # the script's first K
 
 
 @pytest.fixture
@@ -914,3 +915,213 @@ def test_a_costly_probe_comes_more_rarely(clock):
     assert spacing > probing.PROBE_EVERY and len(costly) >= 2
     assert all(b - a >= spacing for a, b in zip(costly, costly[1:]))
     assert cheap[1] - cheap[0] < spacing and len(cheap) > len(costly)
+
+
+# --- plain stretches: plain steps in a row, the policy and the draft told afterwards ------------------------------
+
+
+def _plain_policy(monkeypatch, probe_cost: float = 0.0):
+    """The policy takes plain steps on every round after the first, whatever the timing (as with a useless draft),
+    and trials when accepted probes ask for one; the draft's depth, pause, probes and the plain stretches between
+    them are the real ones. Every call starts with a speculation; probes are `probe_cost` of a plain step apart."""
+    def choose(self, limit):
+        if self._rounds == 0:
+            self._wanted, self._mode = self.k_max, lookahead_module.CONCURRENT
+            self._record(limit, None, "first round")
+            return limit
+        if self.probing.take_trial() and limit > 0:
+            self._wanted = self.k_max
+            self._mode = lookahead_module.SERIAL if self.serial_option else lookahead_module.CONCURRENT
+            self._record(limit, None, "trial")
+            return limit
+        self._wanted, self._mode = 0, lookahead_module.PLAIN
+        self._record(0, None, "best")
+        return 0
+
+    monkeypatch.setattr(LookaheadPolicy, "_choose", choose)
+    monkeypatch.setattr(LookaheadPolicy, "first_depth", lambda self, rows=1: self.k_max)
+    monkeypatch.setattr(LookaheadPolicy, "_probe_cost", lambda self: probe_cost)
+
+
+def _stretched(metrics) -> int:
+    return sum(entry["why"] == lookahead_module.PLAIN_STRETCH for entry in metrics.lookahead_decisions)
+
+
+@pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
+def test_greedy_identical_through_plain_stretches(monkeypatch, arch, executor):
+    """Plain steps taken in a row between probes (the draft told at once afterwards), for a useless draft and for
+    the target as its own draft (its probes are accepted: trials and resumed speculation follow): plain decoding's
+    output, one trace entry per round, the stretches no longer than `STRETCH_MAX`."""
+    _plain_policy(monkeypatch)
+    for itself, m in scripted_runs(arch, executor, seed=90, new_tokens=70):
+        assert len(m.lookahead_per_round) == m.batch_rounds and m.generated_tokens == 70
+        whys = [entry["why"] for entry in m.lookahead_decisions]
+        assert _stretched(m) >= 20, whys
+        runs = [len(list(group)) for why, group in itertools.groupby(whys) if why == lookahead_module.PLAIN_STRETCH]
+        assert max(runs) <= lookahead_module.STRETCH_MAX
+        assert all(entry["depth"] == 0 and entry["k"] == 0 for entry in m.lookahead_decisions
+                   if entry["why"] == lookahead_module.PLAIN_STRETCH)
+        if itself:
+            assert "trial" in whys and m.draft_acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("executor", ["sync", "process"])
+def test_batch_greedy_identical_through_plain_stretches(monkeypatch, executor):
+    """A left-padded batch through plain stretches, its rows stopping at an EOS token at different steps (a row
+    that stops ends the stretch; the others go on without it)."""
+    _plain_policy(monkeypatch)
+    target, draft = tiny_pair("llama", seed=93)
+    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(94))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    ids = ids * mask
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0)
+    eos = int(free[0, 9 + 30])  # row 0 stops at its 31st token at the latest; the others where it comes up
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0,
+                               eos_token_id=eos)
+    lengths = (expected[:, 9:] == eos).int().argmax(dim=1)
+    assert len(set(lengths.tolist())) > 1 or not bool((expected[:, 9:] == eos).any(dim=1).all())
+    for assistant in (draft, target):
+        out = target.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=60,
+                              do_sample=False, pad_token_id=0, eos_token_id=eos,
+                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+        assert torch.equal(out, expected)
+        assert _stretched(target.ssd_metrics) >= 10
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_plain_stretch_leaves_the_draft_as_round_by_round(monkeypatch, do_sample):
+    """A plain stretch (the draft told of its steps at once, `sat_out`) leaves the draft exactly as the same plain
+    steps taken round by round do: its state after every paused round, the decisions of every round, and every
+    token under one seed (sampled ones too) are the same, with the target as its own draft resuming (probes, trials,
+    cache hits) between stretches."""
+    _plain_policy(monkeypatch)
+    STRETCH_MAX = lookahead_module.STRETCH_MAX  # noqa: N806
+    target, _ = tiny_pair("llama", seed=95)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(96))
+    states, full_resolve = [], SaguaroCandidateGenerator._resolve_paused
+
+    def recorded(self, *args, **kwargs):
+        out = full_resolve(self, *args, **kwargs)
+        states[-1].append((self.glue_start.tolist(), self.t_prev.tolist(), self.unglued.tolist(),
+                           [list(c) for c in self.contexts], [s.tokens.tolist() for s in self.speculations]))
+        return out
+
+    monkeypatch.setattr(SaguaroCandidateGenerator, "_resolve_paused", recorded)
+    outputs, decisions = [], []
+    for stretch in (lookahead_module.STRETCH_MAX, 0):
+        monkeypatch.setattr(lookahead_module, "STRETCH_MAX", stretch)
+        states.append([])
+        torch.manual_seed(97)
+        outputs.append(target.generate(ids, assistant_model=target, max_new_tokens=80, do_sample=do_sample,
+                                       top_k=0, ssd_config=SSDConfig(lookahead=3, executor="sync", backup="draft",
+                                                                      fanout_budget_schedule="constant")))
+        m = target.ssd_metrics
+        assert (_stretched(m) >= 30) == bool(stretch) and m.cache_hits > 0
+        decisions.append([(entry["k"], entry["depth"]) for entry in m.lookahead_decisions])
+    assert torch.equal(outputs[0], outputs[1])
+    assert decisions[0] == decisions[1]
+    # (the last stretch is not told to the draft: every row was done)
+    assert states[0] == states[1][:len(states[0])] and 40 <= len(states[0]) >= len(states[1]) - STRETCH_MAX
+    if not do_sample:
+        assert torch.equal(outputs[0], target.generate(ids, max_new_tokens=80, do_sample=False))
+
+
+@pytest.mark.parametrize("executor", ["sync", "process"])
+def test_sampling_law_through_plain_stretches(monkeypatch, law_models, executor):
+    """4 new tokens per sample, the draft paused from the second round (no one-token depths first): the first round
+    verifies a speculation, the second is a plain step, the tokens after it come from a plain stretch."""
+    _plain_policy(monkeypatch)
+    monkeypatch.setattr(probing, "PAUSE_AFTER", 0)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor=executor)
+    counts, hits, misses = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=91)
+    assert _stretched(target.ssd_metrics) >= 1 or target.ssd_metrics.lookahead_per_round[0] == 3
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"p-values {pvalues}, hits {hits}, misses {misses}")
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+def test_negative_control_a_greedy_plain_step(monkeypatch, law_models):
+    """Power check: plain steps that take the target's argmax instead of drawing from its law are rejected."""
+    _plain_policy(monkeypatch)
+    monkeypatch.setattr(probing, "PAUSE_AFTER", 0)
+    from hf_ssd.generation import target_rows
+
+    original = target_rows.accept
+
+    def greedy_plain(tokens, scores, q=None, generator=None):
+        return original(tokens, scores, None if tokens.shape[1] == 0 else q, generator)
+
+    monkeypatch.setattr(target_rows, "accept", greedy_plain)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor="sync")
+    counts, _, _ = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=92, samples=300)
+    assert min(law_pvalues(exact_law(target, TEMPERATURE), counts).values()) < REJECT
+
+
+def test_a_call_after_a_useless_draft_starts_with_plain_steps(clock):
+    """Once earlier calls found a draft useless (its remembered acceptance and this target's remembered costs), the
+    next call drafts nothing first (`first_depth` 0) and its first round is a plain step with the draft paused; a
+    draft that was accepted, or one never seen, starts with a full speculation."""
+    memory = estimates_module.LookaheadMemory()
+
+    def policy(key):
+        return LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, memory=memory,
+                               draft_key=key, setting=(True, 1))
+
+    first = policy("useless")
+    assert first.first_depth() == 4
+    _drive(first, 40, accept_all=False, clock=clock, verify_ms=lambda k: 10.0 + 5.0 * k)
+    assert first.trace[-1]["k"] == 0
+    first.metrics()  # remembers the acceptance
+    second = policy("useless")
+    assert second.first_depth() == 0
+    assert second.choose(0) == 0 and second.trace[-1]["why"] == "first round" and second.depth(0) == 0
+    good = policy("good")
+    _drive(good, 40, accept_all=True, clock=clock, verify_ms=lambda k: 10.0 + 5.0 * k)
+    good.metrics()
+    assert policy("good").first_depth() == 4 and policy("unseen").first_depth() == 4
+
+
+def test_end_to_end_a_useless_draft_is_left_paused_from_the_start():
+    """Real timings: after a few calls with a useless draft, a call starts with a plain step and the draft paused,
+    and its output is still plain decoding's."""
+    target, draft = tiny_pair("llama", seed=98)
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(99))
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False)
+    firsts = []
+    for _ in range(4):
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=40, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor="sync"))
+        assert torch.equal(out, expected)
+        decisions = target.ssd_metrics.lookahead_decisions
+        firsts.append((decisions[0]["k"], decisions[0]["depth"]))
+    assert firsts[0] == (3, 3) and firsts[-1] == (0, 0), firsts
+
+
+def test_a_probes_cost_is_measured_whole_and_remembered():
+    """A probe's cost is what rounds with the draft one token deep took beyond rounds with it paused (in plain
+    steps); a later call with the same draft and setting spaces its probes by it from the start."""
+    memory = estimates_module.LookaheadMemory()
+
+    def policy():
+        return LookaheadPolicy(4, adaptive=True, acceptance_prior=0.05, concurrent=True, memory=memory,
+                               draft_key=7, setting=(True, 1))
+
+    first = policy()
+    assert first._probe_cost() == 0.0  # unknown
+    for _ in range(3):
+        first.plain_round.add(0.010)
+        first.probe_round.add(0.040)
+    assert first._probe_cost() == pytest.approx(3.0)
+    first.metrics()
+    second = policy()
+    assert second._probe_cost() == pytest.approx(3.0)
+    second.plain_round.add(0.010)
+    second.probe_round.add(0.015)
+    assert second._probe_cost() == pytest.approx(0.5)  # measured in this call: its own
+    other = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.05, concurrent=True, memory=memory, draft_key=8,
+                            setting=(True, 1))
+    assert other._probe_cost() == 0.0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from hf_ssd.generation.probing import PAUSE_AFTER, PROBE_CHAIN, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, Probing
 
 K_MAX = 4
@@ -81,3 +83,28 @@ def test_probes_that_cost_much_of_a_plain_step_are_spaced_further_apart():
     accepted = _drive(Probing(), 60, 1.0, probe_cost=costly)
     first = [d for d, depth in enumerate(accepted) if depth == 1 and d >= PAUSE_AFTER][:2]
     assert first[1] - first[0] <= 2  # chained right after the accepted one
+
+
+@pytest.mark.parametrize("sample, probe_cost", [(None, 0.0), (None, 0.6), (1.0, 0.0), (0.0, 0.3)])
+def test_quiet_rounds_counts_the_paused_decisions_ahead(sample, probe_cost):
+    """`quiet_rounds` (how long a plain stretch may run) says, in every state probing passes through, exactly how
+    many of the next decisions keep the draft paused — 0 while a probe's sample is pending or a trial is asked."""
+    probing = Probing()
+    depths, pending = [], {}
+    for d in range(150):
+        if d in pending and pending.pop(d) is not None:
+            probing.free_sample(sample)
+        probing.decide()
+        depth = probing.plain_depth(K_MAX, probe_cost)
+        if depth == 1:
+            pending[d + 2] = sample
+        if depth == K_MAX:
+            assert probing.take_trial()
+        depths.append((depth, probing.quiet_rounds(probe_cost)))
+    for d, (_, quiet) in enumerate(depths[:-40]):
+        ahead = [later for later, _ in depths[d + 1:]]
+        paused = next(i for i, later in enumerate(ahead) if later != 0)
+        assert quiet <= paused, (d, depths[d:d + 10])
+        if quiet:  # nothing pending: the count is exact
+            assert quiet == paused, (d, depths[d:d + 10])
+    assert sum(q > 0 for _, q in depths) > 50

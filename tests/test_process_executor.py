@@ -369,10 +369,12 @@ class _FakeWorker:
         from hf_ssd.runtime import wire
 
         self.control = wire.shared_control()
-        self.sent, self.replies, self.read = [], list(replies), 0
+        self.sent, self.payloads, self.replies, self.read = [], [], list(replies), 0
 
     def send(self, op, generation, a=0, b=0, c=0, payload=None, d=0):
         self.sent.append((op, a, b, c, d))
+        if payload is not None:
+            self.payloads.append(payload)
 
     def receive(self, timeout, what):
         self.read += 1
@@ -391,31 +393,38 @@ def _executor(replies):
     return executor
 
 
-def test_a_plain_steps_resolve_is_not_waited_for_and_its_fault_still_surfaces():
-    """After a plain step the draft sat out (prepare of depth 0, nothing drafted just in time) the resolve's result
-    is known: empty speculations, returned at once; the worker's reply is read before the shared outcome buffers
-    are written again (the next announcement), and an error in it is raised there, in the caller."""
+def test_rounds_the_draft_sat_out_reach_it_together_and_their_fault_still_surfaces():
+    """Rounds the draft sits out (a prepare of depth 0, a resolve with nothing drafted just in time, a plain
+    stretch) send nothing: their results are known at once (empty speculations). They reach the worker in one
+    request, in order, when the draft next works — ahead of that work — and an error in it is raised in the
+    caller at the next reply it waits for."""
     from hf_ssd.runtime import wire
 
-    ok = (wire.OK, 0, wire.RESOLVE, None)
-    executor = _executor([(wire.OK, 0, wire.PREPARE, None), ok])
-    executor.prepare(0, 0, 1).result()
-    resolutions = executor.resolve([0, 0], [5, 6], 0, [0, 1], "draft").result()
-    assert executor.worker.read == 1  # the prepare's reply only
-    assert [(r.speculation.tokens.numel(), r.speculation.source, r.hit, r.looked_up) for r in resolutions] == [
-        (0, "plain", False, False)] * 2
-    executor.announce([0, 0], [7, 8])
-    assert executor.worker.read == 2 and executor.buffers.outcomes[:2].tolist() == [[0, 7], [0, 8]]
-    # a serial round (or one whose draft worked beside the verification) is waited for as ever
-    executor.worker.replies += [(wire.OK, 0, wire.PREPARE, None), ok]
-    executor.prepare(0, 0, 1).result()
-    executor.resolve([0, 0], [7, 8], 0, [0, 1], "draft", serial=2).result()
+    executor = _executor([])
+    for bonus in ([5, 6], [7, 8]):
+        assert executor.prepare(0, 0, 1).result() is None
+        executor.announce([0, 0], bonus)
+        resolutions = executor.resolve([0, 0], bonus, 0, [0, 1], "draft").result()
+        assert [(r.speculation.tokens.numel(), r.speculation.source, r.hit, r.looked_up) for r in resolutions] == [
+            (0, "plain", False, False)] * 2
+    stretch = [([(0, 9), (0, 10)], 0, [0, 1]), ([(0, 11), (0, 12)], 0, [1])]
+    assert len(executor.sat_out(stretch).result()) == 1  # the rows the last round keeps
+    assert executor.worker.sent == [] and executor.worker.read == 0
+    executor.worker.replies += [(wire.OK, 0, wire.SAT_OUT, None), (wire.OK, 0, wire.PREPARE, None)]
+    executor.prepare(1, 3, 2).result()
+    assert [request[0] for request in executor.worker.sent] == [wire.SAT_OUT, wire.PREPARE]
+    assert executor.worker.payloads == [[([(0, 5), (0, 6)], 0, [0, 1]), ([(0, 7), (0, 8)], 0, [0, 1]), *stretch]]
+    assert executor.worker.read == 2
+    # a serial round after one the draft sat out: the paused prepare goes first, then the resolve, waited for
+    executor.worker.replies += [(wire.OK, 0, wire.PREPARE, None), (wire.OK, 0, wire.RESOLVE, None)]
+    executor.prepare(2, 0, 1).result()
+    executor.resolve([1, 0], [7, 8], 2, [0, 1], "draft", serial=2).result()
+    assert executor.worker.sent[2:] == [(wire.PREPARE, 4, 2, 0, 0), (wire.RESOLVE, 2, 0, 2, 2)]  # round 4, verify 2
     assert executor.worker.read == 4
 
-    boom = (wire.ERROR, 0, wire.RESOLVE, (DraftBoom("resolve failed"), "DraftBoom: resolve failed", "traceback"))
-    failing = _executor([(wire.OK, 0, wire.PREPARE, None), boom])
+    boom = (wire.ERROR, 0, wire.SAT_OUT, (DraftBoom("sat out failed"), "DraftBoom: sat out failed", "traceback"))
+    failing = _executor([boom, (wire.OK, 0, wire.PREPARE, None)])
     failing.prepare(0, 0, 1).result()
     failing.resolve([0, 0], [5, 6], 0, [0, 1], "draft").result()  # known: returns
-    with pytest.raises(DraftBoom, match="resolve failed"):
-        failing.announce([0, 0], [7, 8])
-    assert failing.buffers.outcomes[:2].tolist() == [[0, 5], [0, 6]]  # nothing overwritten
+    with pytest.raises(DraftBoom, match="sat out failed"):
+        failing.prepare(1, 3, 2).result()

@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache.draft_cache import DraftCache, compiled_call, default_compile
-from ..cache.speculation_cache import Resolution, Speculation, SpeculationCache, lookup_kind
+from ..cache.speculation_cache import Resolution, Speculation, SpeculationCache, lookup_kind, plain_resolutions
 from ..cache.tree_attention import causal_visibility, tree_step_positions, tree_step_visibility
 from ..config import SSDConfig
 from ..metrics import PhaseTimer
@@ -216,13 +216,15 @@ class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGen
         )
 
     # --- round protocol ---------------------------------------------------------------------------------------
-    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Speculation]:
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+              depth: int | None = None) -> list[Speculation]:
         """Prefill the left-padded prompts [b, T] (all but their last token) and draft every row's first
-        speculation."""
+        speculation, `depth` tokens (default K); at depth 0 none: the first round is a plain step, the draft paused
+        (`prepare`)."""
         with self.clock("begin"):
-            return self._begin(input_ids, attention_mask)
+            return self._begin(input_ids, attention_mask, self.lookahead if depth is None else depth)
 
-    def _begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[Speculation]:
+    def _begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, depth: int) -> list[Speculation]:
         ids = input_ids.to(self.device)
         rows, width = ids.shape
         valid = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(
@@ -239,8 +241,11 @@ class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGen
         self.glue_start = positions[:, -1].clone()
         self.t_prev = ids[:, -1].clone()
         self.unglued = ids.new_zeros(rows, 0)
+        if depth == 0:
+            self.speculations = [resolution.speculation for resolution in plain_resolutions(rows, self.device)]
+            return list(self.speculations)
         self.speculations = [None] * rows
-        self._backup_speculations(list(range(rows)), "draft", self.lookahead, phase="prefill")
+        self._backup_speculations(list(range(rows)), "draft", min(depth, self.lookahead), phase="prefill")
         return list(self.speculations)
 
     def _new_cache(self, rows: int, width: int) -> DraftCache:

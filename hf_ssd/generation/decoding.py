@@ -4,8 +4,9 @@ A round, in phases: the draft starts preparing the outcomes of the speculations 
 thread or process); the target verifies every active row's speculation in one forward (`verify`); each row keeps
 its accepted tokens plus the bonus, cut exactly where plain decoding would stop (`emit`); the target's rows are
 realigned and finished rows leave (`realign`); the outcomes go to the draft, which answers with each row's next
-speculation, a cache hit or a backup's (`hand_off`). Per-row state lives in `rows.Row`, the target's layout in
-`target_rows.TargetBatch`, where the draft runs in `runtime`.
+speculation, a cache hit or a backup's (`hand_off`). While plain steps win and the draft is paused, the loop takes
+them in a row (`_plain_stretch`) and tells the draft afterwards. Per-row state lives in `rows.Row`, the target's
+layout in `target_rows.TargetBatch`, where the draft runs in `runtime`.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def ssd_decoding(
         kind, assistant_model, request, config.executor, input_ids.device
     ) as drafter:
         with phase("wait_first"):  # the draft's prefill and first speculations, on every core
-            batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask")).result())
+            batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask"), policy.first_depth()).result())
         while True:
             verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions),
                                      rows=len(batch.active),
@@ -114,10 +115,41 @@ def ssd_decoding(
             policy.observe_round(target.forward_seconds, drafter.timings(), sum(r.hit for r in resolutions),
                                  sum(r.looked_up for r in resolutions))
             batch.hand([resolution.speculation for resolution in resolutions])
+            if (steps := policy.plain_stretch()) and not _plain_stretch(
+                    steps, policy, target, batch, drafter, recorder, stream, target_generator):
+                break
         report = drafter.finish()  # stops a `prepare` still running for rows that have all finished
     metrics = _metrics(recorder, report, drafter, config, batch, backups, time.perf_counter() - start, policy)
     model.ssd_metrics = metrics
     return _outputs(input_ids, batch, target, generation_config, metrics, pad)
+
+
+def _plain_stretch(steps, policy, target, batch, drafter, recorder, stream, generator) -> bool:
+    """Up to `steps` plain steps in a row with the draft paused (`LookaheadPolicy.plain_stretch`): verify nothing,
+    emit, realign — the round's other phases wait until the stretch ends or a row finishes, then the draft commits
+    the steps at once (`sat_out`). Each step's forward runs on every core. False when every row is done."""
+    phase, rounds = recorder.phases, []
+    for _ in range(steps):
+        policy.plain_step()
+        with recorder.verification():
+            verdict = target.verify(batch, 0, generator, phase, drafter.target_cores, draft_idle=True)
+        with phase("emit"):
+            emitted = batch.emit(verdict, recorder)
+            stream.flush()
+        keep = batch.retire()
+        rounds.append(([(0, bonus) for bonus in verdict.bonus], 0, keep))
+        with phase("realign"):
+            target.realign(verdict, emitted, keep)
+        policy.observe_round(target.forward_seconds, None, 0, 0)
+        if len(keep) < len(emitted):
+            break
+    recorder.record_memory(kv_bytes(target.cache))
+    if not batch.active:
+        return False
+    with phase("wait_resolve"):
+        resolutions = drafter.sat_out(rounds).result()
+    batch.hand([resolution.speculation for resolution in resolutions])
+    return True
 
 
 @contextlib.contextmanager

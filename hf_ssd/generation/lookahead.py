@@ -29,9 +29,10 @@ learnt where it matters: the curve's shape differs between machines (on one 2-co
 pays; on plain steps one token deep twice (the free sample of a_1), then not at all — the draft pauses, since on a
 CPU its memory traffic slows the target's plain step — but for one-token probes, every `PROBE_EVERY` rounds at first
 (further apart where a probe costs much of a plain step: a batch's) and more rarely while they find nothing
-(`probing.py`). Returning from plain steps to speculation asks
-for a larger promised gain than staying (`RESUME_MARGIN`). `lookahead_schedule="constant"` verifies K_max every
-round.
+(`probing.py`); between probes the loop takes the plain steps in a row (`plain_stretch`). Returning from plain steps
+to speculation asks for a larger promised gain than staying (`RESUME_MARGIN`); a call after calls that found the
+draft useless starts with plain steps, the draft paused (`first_depth`). `lookahead_schedule="constant"` verifies
+K_max every round.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ RESUME_MARGIN = 1.2
 # How the next speculation is made (`LookaheadPolicy._mode`): by the draft during this verification, by the draft
 # after it (the draft sits the verification out and both run on every core in turn), or not at all.
 CONCURRENT, SERIAL, PLAIN = "concurrent", "serial", "plain"
+# A plain stretch (`LookaheadPolicy.plain_stretch`): plain steps taken in a row, the policy and the draft told once
+# after them. Where a target step costs a few milliseconds (small models, a GPU with its launch overhead) the round
+# loop's own work is a large part of a plain step: a stretch leaves plain decoding's work alone.
+PLAIN_STRETCH = "plain stretch"
+STRETCH_MAX = 16  # plain steps at most before the estimates are weighed again (the plain step's cost moves)
 
 
 def _margin(base: float, acceptance: list[float], speeds: dict[int, float], *more: dict[int, float]) -> float:
@@ -134,6 +140,8 @@ class LookaheadPolicy(RoundCosts):
         self.draft = DecayedMean(COST_DECAY)  # seconds of one prepare (glue, fork, tree), at whatever depth and budget
         self.backup = DecayedMean(COST_DECAY)  # seconds of one just-in-time backup
         self.overhead = DecayedMean(COST_DECAY)  # round time not explained by the model
+        self.plain_round = DecayedMean(COST_DECAY)  # seconds of a plain step's round with the draft paused
+        self.probe_round = DecayedMean(COST_DECAY)  # ... with the draft one token deep beside it (a probe)
         self.hit_rate = DecayedMean(DECAY)
         self.trace: list[dict] = []
         self._round_start: float | None = None
@@ -145,6 +153,8 @@ class LookaheadPolicy(RoundCosts):
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
         self._mode = CONCURRENT  # how the next speculation is made (CONCURRENT, SERIAL or PLAIN), see `depth`
         self.serial = 0  # tokens the draft drafts just in time after this round's verification (SERIAL rounds)
+        self._plain_probe_cost = 0.0  # what a probe would add to a plain step, at the last plain depth decision
+        self._starts_plain = False  # the call starts with plain steps (`first_depth`)
 
     @property
     def verify(self) -> dict[int, DecayedMean]:
@@ -201,7 +211,10 @@ class LookaheadPolicy(RoundCosts):
             depth = self.k_max
             self.probing.speculating()
         else:
-            depth = self._drafted_after(self.probing.plain_depth(self.k_max, self._probe_cost()))
+            self._plain_probe_cost = self._probe_cost()
+            depth = self._drafted_after(self.probing.plain_depth(self.k_max, self._plain_probe_cost))
+            if self.trace:
+                self.trace[-1]["probe_cost"] = round(self._plain_probe_cost, 3)  # in plain steps: spaces probes
         if self.trace:
             self.trace[-1]["depth"] = depth
             if self.serial:
@@ -227,13 +240,67 @@ class LookaheadPolicy(RoundCosts):
                 self.trace[-1]["budget_tok_s"] = {b: round(v, 2) for b, v in rates.items()}
         return self.fanout.current
 
+    def first_depth(self, rows: int = 1) -> int:
+        """How deep the draft drafts the first speculations of `rows` rows (`begin`): K_max, or 0 when earlier calls
+        with this draft left it no use here — by its remembered acceptance and this target's remembered costs,
+        plain steps beat every way of speculating by `RESUME_MARGIN`. The call then starts as the last one went
+        on: plain steps, the draft paused (it only prefills), probes looking for text it predicts."""
+        self._active_rows = rows
+        memory = self.memory
+        if not self.adaptive or memory is None or self.draft_key not in memory.acceptance:
+            return self.k_max
+        acceptance = self.acceptance.estimates()
+        table = self.times()
+        speeds = {k: expected_tokens(acceptance, k) / seconds for k in range(self.k_max + 1)
+                  if (seconds := self.round_seconds(k, table))}
+        if self.serial_option:
+            serial_table = self.serial_times()
+            speeds.update({-k: expected_tokens(acceptance, k) / seconds for k in range(1, self.k_max + 1)
+                           if (seconds := self.serial_round_seconds(k, table, serial_table))})
+        if 0 not in speeds or len(speeds) < 2 or max(v for k, v in speeds.items() if k) >= RESUME_MARGIN * speeds[0]:
+            return self.k_max
+        self._starts_plain = True
+        self.probing.timed_plain_step()  # paused from the first round on
+        return 0
+
+    # --- plain stretches -----------------------------------------------------------------------------------------
+    def plain_stretch(self) -> int:
+        """How many rounds after this one the loop may take as plain steps without deciding each (a plain stretch):
+        this round was a plain step chosen on the estimates with the draft paused, and until the next probe no
+        acceptance sample can arrive to move them, only the plain step's own cost. At most `STRETCH_MAX`, so that
+        the costs are weighed again as the context grows; 0 otherwise."""
+        if not self.adaptive or not self.trace or self.serial or self._mode != PLAIN:
+            return 0
+        last = self.trace[-1]
+        if last["k"] != 0 or last.get("depth") != 0 or last["why"] != "best":
+            return 0
+        return min(self.probing.quiet_rounds(self._plain_probe_cost), STRETCH_MAX)
+
+    def plain_step(self) -> None:
+        """Start a round of a plain stretch: recorded as chosen, the probing state advanced as `depth` would (it
+        keeps the draft paused: `plain_stretch` counted the rounds it does)."""
+        self._round_start = time.perf_counter()
+        self.probing.decide()
+        self.probing.plain_depth(self.k_max, self._plain_probe_cost)
+        self.trace.append({"k": 0, "why": PLAIN_STRETCH, "wanted": 0, "mode": PLAIN, "rows": self._active_rows,
+                           "depth": 0, "tokens": 1.0})
+
     def _probe_cost(self) -> float:
-        """What a probe drafted just in time adds to its round, as a fraction of a plain step (`Probing` spaces
-        probes by it); 0 while either is unmeasured, or where probes are drafted beside the plain step."""
-        if not self.serial_option or self.serial_fixed.value is None:
-            return 0.0
-        plain = self.verify_seconds(0)
-        return self.serial_drafting_seconds(1) / plain if plain else 0.0
+        """What a probe adds to its round, as a fraction of a plain step (`Probing` spaces probes by it): what rounds
+        with the draft drafting one token (beside the plain step, inline or just in time after it) took beyond
+        rounds with the draft paused — the whole cost, messages to a worker process and the glue of the tokens
+        committed meanwhile included; until measured in this call, as earlier calls with this draft measured it,
+        else a just-in-time probe's drafting as measured. 0 while unknown."""
+        plain, probe = self.plain_round.value, self.probe_round.value
+        if plain and probe is not None:
+            return max(probe - plain, 0.0) / plain
+        remembered = self.memory.probe_cost.get((self.draft_key, self.setting)) if self.memory is not None else None
+        if remembered is not None:  # as earlier calls with this draft measured it
+            return remembered
+        if self.serial_option and self.serial_fixed.value is not None:
+            plain = self.verify_seconds(0)
+            return self.serial_drafting_seconds(1) / plain if plain else 0.0
+        return 0.0
 
     def _drafted_after(self, depth: int) -> int:
         """With serial rounds available, the draft's work for a probe or a trial is done after the verification, on
@@ -261,7 +328,8 @@ class LookaheadPolicy(RoundCosts):
             if seconds is not None and seconds > 0:
                 speeds[k] = expected_tokens(acceptance, k) / seconds
         if self._rounds == 0:  # the first round holds the prefill and its speculation is the first sample: K_max
-            self._wanted = self.k_max
+            self._wanted = self.k_max if not self._starts_plain else 0  # (or a plain step: `first_depth`)
+            self._mode = PLAIN if self._starts_plain else CONCURRENT
             self._record(limit, None, "first round")
             return limit
         if not speeds:  # acceptance seen, no verification timed yet (the first held the prefill): the prior shape
@@ -483,7 +551,8 @@ class LookaheadPolicy(RoundCosts):
                 self.probing.free_sample(sample)
 
     def observe_round(self, forward_seconds: float, timings, hits: int, lookups: int) -> None:
-        """The round's target forward time, the draft's running `DraftTimings`, and the lookups it made."""
+        """The round's target forward time, the draft's running `DraftTimings` (None: as at the last round, the draft
+        sat it out), and the lookups it made."""
         k = self.trace[-1]["k"] if self.trace else self.k_max
         wall = time.perf_counter() - self._round_start if self._round_start is not None else None
         first = self._rounds == 0
@@ -492,6 +561,7 @@ class LookaheadPolicy(RoundCosts):
             self.trace[-1]["forward_ms"] = round(1e3 * forward_seconds, 2)
             if wall is not None:
                 self.trace[-1]["round_ms"] = round(1e3 * wall, 2)
+        timings = self._timings if timings is None else timings
         previous, self._timings = self._timings, timings
         if first:  # the first verification holds the target's prefill
             return
@@ -534,6 +604,9 @@ class LookaheadPolicy(RoundCosts):
         if lookups:
             self.hit_rate.add(hits / lookups)
         if wall is not None:
+            drafted = (self.trace[-1].get("serial") or self.trace[-1].get("depth")) if self.trace else None
+            if k == 0 and drafted in (0, 1):  # what a probe costs (`_probe_cost`)
+                (self.probe_round if drafted else self.plain_round).add(wall)
             draft = 0.0 if paused else self.draft_seconds()
             body = max(forward_seconds, draft) if self.concurrent else forward_seconds + draft
             self.overhead.add(wall - body - backup_now - serial_now)
@@ -541,6 +614,8 @@ class LookaheadPolicy(RoundCosts):
     def metrics(self) -> dict:
         if self.memory is not None and self.draft_key is not None and self.acceptance.pooled_reached > 0:
             self.memory.acceptance[self.draft_key] = self.acceptance.pooled()
+        if self.memory is not None and self.plain_round.value and self.probe_round.value is not None:
+            self.memory.probe_cost[(self.draft_key, self.setting)] = self._probe_cost()
         return {"lookahead_per_round": [entry["k"] for entry in self.trace],
                 "fanout_budget_per_round": [entry.get("budget", self.fanout.current) if entry.get("depth", 1) else 0
                                             for entry in self.trace],

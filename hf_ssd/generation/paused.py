@@ -1,6 +1,7 @@
 """Resolving after a verification the draft sat out (a plain step, or a serial round's verification): commit what
 each row accepted, keep the committed tokens the draft cache lacks to be glued on resuming, and, for a serial round,
-draft the next speculation just in time. A paused round right after one that ran nothing is bookkeeping alone.
+draft the next speculation just in time. A paused round right after one that ran nothing is bookkeeping alone; the
+rounds of a plain stretch arrive together (`sat_out`).
 
 A mixin of `SaguaroCandidateGenerator`: it reads and advances the generator's draft cache (`cache`), per-row state
 (`t_prev`, `glue_start`, `unglued`, `contexts`, `speculations`), the fan-out estimates and timings, and drafts with
@@ -77,6 +78,15 @@ class PausedDrafting:
         self.timings.serial_tokens += tokens.shape[1]
         self.timings.serial_seconds += time.perf_counter() - started
         return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
+
+    def sat_out(self, rounds: list[tuple]) -> list[Resolution]:
+        """Commit rounds the draft sat out, each (outcomes as (accepted, bonus) per row, verified, keep_rows): the
+        same calls, state and random streams as a `prepare` of depth 0 and a `resolve` per round, one by one."""
+        resolutions: list[Resolution] = []
+        for outcomes, verified, keep_rows in rounds:
+            self.prepare(verified, 0)
+            resolutions = self.resolve(outcomes, verified, keep_rows)
+        return resolutions
 
     def _resolve_paused_again(self, outcomes) -> list[Resolution]:
         """`_resolve_paused` for a plain step right after one that ran nothing, every row kept: the cache is as that

@@ -11,7 +11,8 @@ speculating resets both. A probe's sample arrives two decisions later (its specu
 round, after that round's depth was chosen); only that sample moves the chain. Probes are also spaced so that they
 cost at most `PROBE_SHARE` of the plain steps' time, given what a probe costs against a plain step: a batch's probe
 drafts for every row (measured, 8 rows on a 2-core EPYC: 150-340 ms on top of a 380 ms plain step, 6 % of the
-plain steps' time at one probe every 8 rounds; one row: 50 ms against 330).
+plain steps' time at one probe every 8 rounds; one row: 50 ms against 330). Between probes the loop takes the plain
+steps in a row without deciding each (a plain stretch): `quiet_rounds` says how many.
 
 Plain state, advanced once per depth decision (`LookaheadPolicy.depth`); nothing here looks at a model.
 """
@@ -61,6 +62,13 @@ class Probing:
         """A plain step tried for its cost: the draft pauses at once (its time beside a working draft is not what
         it costs)."""
         self.plain_run = PAUSE_AFTER
+
+    def quiet_rounds(self, probe_cost: float = 0.0) -> int:
+        """How many of the next plain steps `plain_depth` will keep the draft paused through, given `probe_cost` as
+        there: no probe's sample pending, no trial asked, no probe due (a plain stretch: `LookaheadPolicy`)."""
+        if self.trial or self._due or self.plain_run < PAUSE_AFTER:
+            return 0
+        return max(0, max(self.every, math.ceil(probe_cost / PROBE_SHARE)) - self._since - 1)
 
     def take_trial(self) -> bool:
         """Whether this round is the trial accepted probes asked for (asked once)."""

@@ -39,16 +39,21 @@ class Verdict:
     scores: torch.Tensor  # [b, verified + 1, V] after the logits processors
     accepted: list[int]
     bonus: list[int]
+    _new_tokens: torch.Tensor | None = field(default=None, repr=False)
 
     def new_tokens(self) -> torch.Tensor:
         """[b, verified + 1]: s_1..s_a, then the bonus at column a (columns after it are unused)."""
-        columns = torch.cat([self.tokens, self.tokens.new_zeros(len(self.accepted), 1)], dim=1)
-        device = columns.device
-        rows = torch.arange(len(self.accepted), device=device)
-        columns[rows, torch.tensor(self.accepted, device=device)] = torch.tensor(
-            self.bonus, device=device, dtype=columns.dtype
-        )
-        return columns
+        if self._new_tokens is None:
+            device, dtype = self.tokens.device, self.tokens.dtype
+            bonus = torch.tensor(self.bonus, device=device, dtype=dtype)
+            if self.verified == 0:  # a plain step: the bonus is all
+                self._new_tokens = bonus[:, None]
+            else:
+                columns = torch.cat([self.tokens, self.tokens.new_zeros(len(self.accepted), 1)], dim=1)
+                rows = torch.arange(len(self.accepted), device=device)
+                columns[rows, torch.tensor(self.accepted, device=device)] = bonus
+                self._new_tokens = columns
+        return self._new_tokens
 
 
 class Batch:

@@ -66,7 +66,10 @@ class TargetBatch:
         machine to the target: the first forward (the prefill) and every round the draft is paused (`draft_idle`:
         a plain step then runs on every core, as plain decoding would)."""
         device = self.ids.device
-        tokens = _arrive(torch.stack([row.speculation.tokens[:verified] for row in batch.active]), device)
+        if verified:
+            tokens = _arrive(torch.stack([row.speculation.tokens[:verified] for row in batch.active]), device)
+        else:  # a plain step
+            tokens = self.ids.new_empty(len(batch.active), 0)
         start = time.perf_counter()
         with phases("target_forward"), (cores() if self.first or draft_idle else contextlib.nullcontext()):
             self._outputs, self._extended, raw = self._forward(tokens)

@@ -60,7 +60,15 @@ def accept(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One round's verification: greedy when `draft_probs` is None, else speculative sampling against the target's
-    processed `target_scores` (p = softmax)."""
+    processed `target_scores` (p = softmax). Nothing drafted (a plain step): the target's own choice, as plain
+    decoding makes it."""
+    if draft_tokens.shape[1] == 0:
+        scores = target_scores[:, 0]
+        if draft_probs is None:
+            bonus = scores.argmax(dim=-1)
+        else:
+            bonus = torch.multinomial(scores.softmax(-1).float(), 1, generator=generator).squeeze(1)
+        return torch.zeros_like(bonus), bonus
     if draft_probs is None:
         return greedy_verify(draft_tokens, target_scores)
     return sampling_verify(draft_tokens, draft_probs, target_scores.softmax(-1), generator)

@@ -3,8 +3,9 @@
 An executor owns the drafter of one generation and runs its tasks in order: `begin` (prefill and first
 speculations), then per round `prepare` (glue, fork, tree: concurrent with verification), `announce` (the
 verification outcomes, so a running `prepare` can stop early) and `resolve` (commit the outcomes, look the next
-speculations up, run the backup on a miss). `prepare`, `begin` and `resolve` return a pending result (anything
-with `.result()`); the loop never knows whether an inline call, a thread or a process answered.
+speculations up, run the backup on a miss); after plain steps taken in a row with the draft paused, `sat_out`.
+`prepare`, `begin`, `resolve` and `sat_out` return a pending result (anything with `.result()`); the loop never
+knows whether an inline call, a thread or a process answered.
 
 Kinds: "sync" (inline), "thread" (one background thread, `local.py`), "stream" (that thread issuing onto a side
 stream of the draft's device, hand-offs by events, `stream.py`), "process" (a persistent worker process that
@@ -59,8 +60,9 @@ class DraftExecutor(ABC):
 
     # --- the round protocol ----------------------------------------------------------------------------------
     @abstractmethod
-    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        """Prefill the prompts and draft the first speculations; pending `list[Speculation]`, one per row."""
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, depth: int):
+        """Prefill the prompts and draft the first speculations, `depth` tokens (0: none, the first round is a plain
+        step); pending `list[Speculation]`, one per row."""
 
     @abstractmethod
     def prepare(self, verified: int, depth: int, budget: int):
@@ -78,6 +80,12 @@ class DraftExecutor(ABC):
         After a verification the draft sat out (`prepare` of depth 0), `serial` > 0 drafts up to that many tokens
         now, on every core (the target waits for them). Drafting just in time stops early where `stop` (a
         `StopRule`; None: never) says."""
+
+    @abstractmethod
+    def sat_out(self, rounds: list[tuple]):
+        """Commit rounds the draft sat out after a paused round (a plain stretch), each (outcomes as (accepted,
+        bonus) per row, verified, keep_rows); pending `list[Resolution]` (empty speculations) for the rows the last
+        keeps. The same as a `prepare` at depth 0 and a `resolve` per round, in one call."""
 
     @abstractmethod
     def timings(self):

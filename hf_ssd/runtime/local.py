@@ -104,13 +104,13 @@ class LocalExecutor(DraftExecutor):
     # thread of the process has run an OpenMP team, libgomp sees more threads than cores and stops spinning, and
     # every parallel region of the target's then pays a futex wake-up (a tiny Llama's plain step at batch 4 on 2
     # cores ran 3x slower for the rest of the generation after the draft's prefill on every core in its thread).
-    def begin(self, input_ids, attention_mask) -> Future:
-        def on_all_cores(ids, mask):  # the target waits for it: every core this generation has
+    def begin(self, input_ids, attention_mask, depth) -> Future:
+        def on_all_cores(ids, mask, depth):  # the target waits for it: every core this generation has
             threads = self.request.draft_threads + self.request.target_threads if self.kind != "sync" else None
             with torch_threads(threads):
-                return self.drafter.begin(ids, mask)
+                return self.drafter.begin(ids, mask, depth)
 
-        return self._submit(on_all_cores, input_ids, attention_mask, inline=True)
+        return self._submit(on_all_cores, input_ids, attention_mask, depth, inline=True)
 
     def prepare(self, verified: int, depth: int, budget: int) -> Future:
         self.drafter.announce(None)
@@ -140,6 +140,9 @@ class LocalExecutor(DraftExecutor):
                 return self.drafter.resolve(*args)
 
         return self._submit(on_draft_threads, *args, inline=True, settle=not paused)
+
+    def sat_out(self, rounds) -> Future:
+        return self._submit(self.drafter.sat_out, rounds, inline=True, settle=False)  # bookkeeping
 
     def timings(self):
         return dataclasses.replace(self.drafter.timings)

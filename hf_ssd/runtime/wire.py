@@ -4,7 +4,7 @@ Per round only fixed-size headers go through the pipe (struct-packed integers, n
 keys and q rows go through buffers both processes map (`RoundBuffers`, shared memory on CPU, CUDA IPC for a CUDA
 draft), allocated by the parent once per generation. Pickling happens only off the round loop: a draft handed to a
 worker (its weights move to shared memory once and are mapped, not copied), a generation's start, its report,
-and errors.
+errors, and the outcomes of the rounds the draft sat out (once before it next works, a few hundred bytes).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..cache.speculation_cache import SOURCES
 from ..generation.confidence import EDGES
 
 # Requests: header (op, generation, a, b, c, d), some followed by one pickled payload.
-LOAD, FORGET, BEGIN, PREPARE, RESOLVE, FINISH, CLOSE = range(1, 8)
+LOAD, FORGET, BEGIN, PREPARE, RESOLVE, FINISH, CLOSE, SAT_OUT = range(1, 9)
 REQUEST = struct.Struct("<6q")
 # Replies: header (status, generation, op, has_payload), then the payload if any.
 OK, ERROR, CANCELLED, READY = range(4)

@@ -78,7 +78,8 @@ class _Server:
             if request[-1] is not None:  # new buffers (else the parent reuses the previous generation's)
                 self.buffers = request[-1]
             self._check(generation)
-            return self.begin(generation, *request[:-1])
+            return self.begin(generation, *request[:-1], depth=a)
+        stretch = self.conn.recv() if op == wire.SAT_OUT else None  # its payload is read whatever happens next
         session = self.session
         if session is None or session.generation != generation:
             raise RuntimeError(f"hf_ssd draft worker: no generation {generation} is running here (op {op}).")
@@ -88,7 +89,9 @@ class _Server:
         start = time.perf_counter()
         try:
             with torch.no_grad():
-                if op == wire.PREPARE:
+                if op == wire.SAT_OUT:
+                    session.drafter.sat_out(stretch)
+                elif op == wire.PREPARE:
                     session.round = a
                     session.drafter.prepare(verified=b, depth=c, budget=d or None)
                 elif op == wire.RESOLVE:
@@ -102,7 +105,7 @@ class _Server:
         return None
 
     # --- the round protocol ------------------------------------------------------------------------------------
-    def begin(self, generation, draft_key, request, input_ids, attention_mask):
+    def begin(self, generation, draft_key, request, input_ids, attention_mask, depth: int):
         from ..config import SSDConfig
         from ..generation.candidate_generator import SaguaroCandidateGenerator
 
@@ -133,7 +136,7 @@ class _Server:
             with torch.no_grad():
                 ids = torch.from_numpy(input_ids)
                 mask = None if attention_mask is None else torch.from_numpy(attention_mask)
-                speculations = drafter.begin(ids, mask)
+                speculations = drafter.begin(ids, mask, depth)
                 self._write(session, [(s, False) for s in speculations])
                 _synchronize(drafter.device)
         finally:
