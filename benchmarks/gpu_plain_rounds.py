@@ -9,8 +9,8 @@ Written to --out: plain_rounds.json (tok/s, ratio to AR, the share of plain roun
 median host time of a one-position target forward, per batch size and executor) and profile.txt (cProfile of
 one short SSD generation on the inline executor: the draft's start and the first rounds, everything on one thread,
 by own time and by hf_ssd's cumulative time). On one H200 (2026-12-04) this found the draft-thread hand-offs of
-paused rounds (now inline) and left open why SSD's target forwards spend ~3 ms of host time per attention call
-where AR's spend 37 us (docs/gpu.md).
+paused rounds (now inline), then measured plain stretches (0.56-0.59x AR at batch 1 before, 0.64-1.01x after), and
+left open why SSD's one-position target forwards sometimes spend far more host time than AR's (docs/gpu.md).
 """
 
 from __future__ import annotations

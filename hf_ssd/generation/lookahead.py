@@ -243,21 +243,22 @@ class LookaheadPolicy(RoundCosts):
     def first_depth(self, rows: int = 1) -> int:
         """How deep the draft drafts the first speculations of `rows` rows (`begin`): K_max, or 0 when earlier calls
         with this draft left it no use here — by its remembered acceptance and this target's remembered costs,
-        plain steps beat every way of speculating by `RESUME_MARGIN`. The call then starts as the last one went
-        on: plain steps, the draft paused (it only prefills), probes looking for text it predicts."""
+        plain steps beat every way of speculating by the margin a return from plain steps asks (`_margin`). The
+        call then starts as the last one went on: plain steps, the draft paused (it only prefills), probes looking
+        for text it predicts."""
         self._active_rows = rows
         memory = self.memory
         if not self.adaptive or memory is None or self.draft_key not in memory.acceptance:
             return self.k_max
         acceptance = self.acceptance.estimates()
-        table = self.times()
+        table, serial_table = self.times(), self.serial_times() if self.serial_option else {}
         speeds = {k: expected_tokens(acceptance, k) / seconds for k in range(self.k_max + 1)
                   if (seconds := self.round_seconds(k, table))}
-        if self.serial_option:
-            serial_table = self.serial_times()
-            speeds.update({-k: expected_tokens(acceptance, k) / seconds for k in range(1, self.k_max + 1)
-                           if (seconds := self.serial_round_seconds(k, table, serial_table))})
-        if 0 not in speeds or len(speeds) < 2 or max(v for k, v in speeds.items() if k) >= RESUME_MARGIN * speeds[0]:
+        serial_speeds = {k: expected_tokens(acceptance, k) / seconds for k in range(1, self.k_max + 1)
+                         if self.serial_option and (seconds := self.serial_round_seconds(k, table, serial_table))}
+        best = max([v for k, v in speeds.items() if k] + list(serial_speeds.values()), default=None)
+        if 0 not in speeds or best is None or best >= _margin(RESUME_MARGIN, acceptance, speeds, serial_speeds) * (
+                speeds[0]):
             return self.k_max
         self._starts_plain = True
         self.probing.timed_plain_step()  # paused from the first round on
