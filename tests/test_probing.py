@@ -108,3 +108,14 @@ def test_quiet_rounds_counts_the_paused_decisions_ahead(sample, probe_cost):
         if quiet:  # nothing pending: the count is exact
             assert quiet == paused, (d, depths[d:d + 10])
     assert sum(q > 0 for _, q in depths) > 50
+
+
+def test_a_costly_probe_skips_the_first_plain_steps_one_token_depth():
+    """Where a probe costs more than probing may spend at the base spacing, the first plain steps' one-token depth
+    (which costs what a probe does) is skipped: the draft pauses at once, and a stretch can start there."""
+    cheap, costly = PROBE_SHARE * PROBE_EVERY, PROBE_SHARE * PROBE_EVERY * 1.5
+    assert _drive(Probing(), PAUSE_AFTER, None, probe_cost=cheap) == [1] * PAUSE_AFTER
+    probing = Probing()
+    assert _drive(probing, PAUSE_AFTER, None, probe_cost=costly) == [0] * PAUSE_AFTER
+    assert probing.quiet_rounds(costly) > 0
+    assert Probing().quiet_rounds(costly) > 0 and Probing().quiet_rounds(cheap) == 0

@@ -10,9 +10,10 @@ probes become twice as rare (up to every `PROBE_MAX` rounds) and a trial asks fo
 speculating resets both. A probe's sample arrives two decisions later (its speculation is verified in the next
 round, after that round's depth was chosen); only that sample moves the chain. Probes are also spaced so that they
 cost at most `PROBE_SHARE` of the plain steps' time, given what a probe costs against a plain step: a batch's probe
-drafts for every row (measured, 8 rows on a 2-core EPYC: 150-340 ms on top of a 380 ms plain step, 6 % of the
-plain steps' time at one probe every 8 rounds; one row: 50 ms against 330). Between probes the loop takes the plain
-steps in a row without deciding each (a plain stretch): `quiet_rounds` says how many.
+drafts for every row (measured, 8 rows on a 2-core EPYC: 150-340 ms on top of a 380 ms plain step, 6 % of the plain
+steps' time at one probe every 8 rounds; one row: 50 ms against 330); where a probe costs more than that budget
+allows at the base spacing, the first plain steps' one-token depth is skipped too. Between probes the loop takes the
+plain steps in a row without deciding each (a plain stretch): `quiet_rounds` says how many.
 
 Plain state, advanced once per depth decision (`LookaheadPolicy.depth`); nothing here looks at a model.
 """
@@ -66,7 +67,7 @@ class Probing:
     def quiet_rounds(self, probe_cost: float = 0.0) -> int:
         """How many of the next plain steps `plain_depth` will keep the draft paused through, given `probe_cost` as
         there: no probe's sample pending, no trial asked, no probe due (a plain stretch: `LookaheadPolicy`)."""
-        if self.trial or self._due or self.plain_run < PAUSE_AFTER:
+        if self.trial or self._due or (self.plain_run < PAUSE_AFTER and not _costly(probe_cost)):
             return 0
         return max(0, max(self.every, math.ceil(probe_cost / PROBE_SHARE)) - self._since - 1)
 
@@ -76,9 +77,10 @@ class Probing:
         return trial
 
     def plain_depth(self, k_max: int, probe_cost: float = 0.0) -> int:
-        """How deep the draft prepares beside a plain step: K_max for a trial, 1 on the first plain steps and for
-        a probe, else 0 (paused). `probe_cost`: what a probe adds to its round, as a fraction of a plain step (0:
-        unknown), which spaces paused probes at least `probe_cost / PROBE_SHARE` rounds apart."""
+        """How deep the draft prepares beside a plain step: K_max for a trial, 1 on the first plain steps (unless a
+        probe is costly: `_costly`) and for a probe, else 0 (paused). `probe_cost`: what a probe adds to its round,
+        as a fraction of a plain step (0: unknown), which spaces paused probes at least `probe_cost / PROBE_SHARE`
+        rounds apart."""
         self.plain_run += 1
         self._since += 1
         chained = False
@@ -93,10 +95,17 @@ class Probing:
         if self.trial:
             self._since = 0
             return k_max
-        if self.plain_run <= PAUSE_AFTER:
+        if self.plain_run <= PAUSE_AFTER and not _costly(probe_cost):
             return 1
         if chained or self._since >= max(self.every, math.ceil(probe_cost / PROBE_SHARE)):
             self._since = 0
             self._due.add(self._decisions + 1)  # two decisions after this one (`decide` counted this one)
             return 1
         return 0
+
+
+def _costly(probe_cost: float) -> bool:
+    """Whether a probe costs more than probing may at the base spacing (`PROBE_SHARE` of `PROBE_EVERY` plain steps):
+    then the first plain steps' one-token depth, which costs what a probe does, is skipped and the draft pauses at
+    once (a tiny pair's probe cost ~2.4 plain steps; a batch of 8 rows' ~0.6; one row of the real pair's ~0.15)."""
+    return probe_cost > PROBE_SHARE * PROBE_EVERY
