@@ -586,6 +586,20 @@ def test_greedy_identical_through_serial_rounds(serial_scripted, arch, executor)
 PAUSED_SCRIPT = [(0, 1), (0, 0), (0, 0), (0, 0), (0, 0), (0, 3), (3, 3), (0, 0), (0, 0), (0, 0), (0, 1), (1, 3)]
 
 
+def _record_paused_states(monkeypatch) -> list[list[tuple]]:
+    """The draft's per-row state after every full paused resolve, a list per run (start a run with `.append([])`)."""
+    states, full_resolve = [], SaguaroCandidateGenerator._resolve_paused
+
+    def recorded(self, *args, **kwargs):
+        out = full_resolve(self, *args, **kwargs)
+        states[-1].append((self.glue_start.tolist(), self.t_prev.tolist(), self.unglued.tolist(),
+                           [list(c) for c in self.contexts], [s.tokens.tolist() for s in self.speculations]))
+        return out
+
+    monkeypatch.setattr(SaguaroCandidateGenerator, "_resolve_paused", recorded)
+    return states
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_repeated_paused_rounds_keep_the_drafts_state(monkeypatch, do_sample):
     """A paused round right after one that ran nothing (`_resolve_paused_again`) leaves the draft exactly as the
@@ -595,20 +609,13 @@ def test_repeated_paused_rounds_keep_the_drafts_state(monkeypatch, do_sample):
     _script(monkeypatch, PAUSED_SCRIPT)
     target, _ = tiny_pair("llama", seed=71)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(72))
-    states, again = [], SaguaroCandidateGenerator._resolve_paused_again
-    full_resolve = SaguaroCandidateGenerator._resolve_paused
-
-    def recorded(self, *args, **kwargs):
-        out = full_resolve(self, *args, **kwargs)
-        states[-1].append((self.glue_start.tolist(), self.t_prev.tolist(), self.unglued.tolist(),
-                           [list(c) for c in self.contexts], [s.tokens.tolist() for s in self.speculations]))
-        return out
+    again, full_resolve = SaguaroCandidateGenerator._resolve_paused_again, SaguaroCandidateGenerator._resolve_paused
+    states = _record_paused_states(monkeypatch)
 
     def the_full_path(self, outcomes):
         self._paused_at = None
         return full_resolve(self, outcomes, 0, list(range(self.rows)))
 
-    monkeypatch.setattr(SaguaroCandidateGenerator, "_resolve_paused", recorded)
     outputs, fast_calls = [], []
     for path in (again, the_full_path):
         def counted(self, outcomes, _path=path):
@@ -1000,15 +1007,7 @@ def test_a_plain_stretch_leaves_the_draft_as_round_by_round(monkeypatch, do_samp
     STRETCH_MAX = lookahead_module.STRETCH_MAX  # noqa: N806
     target, _ = tiny_pair("llama", seed=95)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(96))
-    states, full_resolve = [], SaguaroCandidateGenerator._resolve_paused
-
-    def recorded(self, *args, **kwargs):
-        out = full_resolve(self, *args, **kwargs)
-        states[-1].append((self.glue_start.tolist(), self.t_prev.tolist(), self.unglued.tolist(),
-                           [list(c) for c in self.contexts], [s.tokens.tolist() for s in self.speculations]))
-        return out
-
-    monkeypatch.setattr(SaguaroCandidateGenerator, "_resolve_paused", recorded)
+    states = _record_paused_states(monkeypatch)
     outputs, decisions = [], []
     for stretch in (lookahead_module.STRETCH_MAX, 0):
         monkeypatch.setattr(lookahead_module, "STRETCH_MAX", stretch)

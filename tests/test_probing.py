@@ -11,10 +11,11 @@ from hf_ssd.generation.probing import PAUSE_AFTER, PROBE_CHAIN, PROBE_EVERY, PRO
 K_MAX = 4
 
 
-def _drive(probing: Probing, decisions: int, sample: float | None, probe_cost: float = 0.0) -> list[int]:
+def _drive(probing: Probing, decisions: int, sample: float | None, probe_cost: float = 0.0,
+           quiet: list[int] | None = None) -> list[int]:
     """Depths over `decisions` plain-step decisions; every one-token depth's sample (None: none came back) arrives
     before the decision after next, as a probe's does; a trial is taken as the policy's next round takes it. A probe
-    costs `probe_cost` of a plain step."""
+    costs `probe_cost` of a plain step. `quiet` collects `quiet_rounds` after each decision."""
     depths, pending = [], {}
     for d in range(decisions):
         if d in pending and pending.pop(d) is not None:
@@ -26,6 +27,8 @@ def _drive(probing: Probing, decisions: int, sample: float | None, probe_cost: f
         if depth == K_MAX:
             assert probing.take_trial() and not probing.take_trial()  # asked once
         depths.append(depth)
+        if quiet is not None:
+            quiet.append(probing.quiet_rounds(probe_cost))
     return depths
 
 
@@ -89,25 +92,14 @@ def test_probes_that_cost_much_of_a_plain_step_are_spaced_further_apart():
 def test_quiet_rounds_counts_the_paused_decisions_ahead(sample, probe_cost):
     """`quiet_rounds` (how long a plain stretch may run) says, in every state probing passes through, exactly how
     many of the next decisions keep the draft paused — 0 while a probe's sample is pending or a trial is asked."""
-    probing = Probing()
-    depths, pending = [], {}
-    for d in range(150):
-        if d in pending and pending.pop(d) is not None:
-            probing.free_sample(sample)
-        probing.decide()
-        depth = probing.plain_depth(K_MAX, probe_cost)
-        if depth == 1:
-            pending[d + 2] = sample
-        if depth == K_MAX:
-            assert probing.take_trial()
-        depths.append((depth, probing.quiet_rounds(probe_cost)))
-    for d, (_, quiet) in enumerate(depths[:-40]):
-        ahead = [later for later, _ in depths[d + 1:]]
-        paused = next(i for i, later in enumerate(ahead) if later != 0)
+    quiets: list[int] = []
+    depths = _drive(Probing(), 150, sample, probe_cost, quiet=quiets)
+    for d, quiet in enumerate(quiets[:-40]):
+        paused = next(i for i, later in enumerate(depths[d + 1:]) if later != 0)
         assert quiet <= paused, (d, depths[d:d + 10])
         if quiet:  # nothing pending: the count is exact
             assert quiet == paused, (d, depths[d:d + 10])
-    assert sum(q > 0 for _, q in depths) > 50
+    assert sum(q > 0 for q in quiets) > 50
 
 
 def test_a_costly_probe_skips_the_first_plain_steps_one_token_depth():

@@ -384,6 +384,18 @@ class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGen
             self.timings.prepare_seconds += time.perf_counter() - started
             self.timings.prepare_calls += 1
 
+    def _commit(self, outcomes, accepted: torch.Tensor, keep_rows: list[int], selected: torch.Tensor) -> None:
+        """Each kept row's committed path grows by its accepted tokens of the speculation just verified and its
+        bonus (`contexts`); `glue_start` and `t_prev` move past them; rows not in `keep_rows` leave."""
+        for r in keep_rows:
+            acc, bonus = outcomes[r]
+            self.contexts[r].extend(self.speculations[r].tokens[:acc].tolist())
+            self.contexts[r].append(bonus)
+        bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
+        self.glue_start = (self.glue_start + accepted + 1)[selected]
+        self.t_prev = bonuses[selected]
+        self.contexts = [self.contexts[r] for r in keep_rows]
+
     def resolve(
         self, outcomes: list[tuple[int, int]], verified: int, keep_rows: list[int] | None = None,
         backup: str | None = None, serial: int = 0, stop: StopRule | None = None,
@@ -425,15 +437,8 @@ class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGen
         with self.clock("compact"):
             self.cache.keep(keep, None if len(keep_rows) == rows else selected, max_holes=self.lookahead)
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.memory_bytes())
-        for r in keep_rows:
-            acc, bonus = outcomes[r]
-            self.contexts[r].extend(self.speculations[r].tokens[:acc].tolist())
-            self.contexts[r].append(bonus)
-        bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
-        self.glue_start = (self.glue_start + accepted + 1)[selected]
-        self.t_prev = bonuses[selected]
+        self._commit(outcomes, accepted, keep_rows, selected)
         self.unglued = self.unglued[selected]
-        self.contexts = [self.contexts[r] for r in keep_rows]
         self.speculations = [found_by_row[r] for r in keep_rows]
         self.spec_cache = None
         self.fanout_in_use = []

@@ -5,7 +5,7 @@ rounds of a plain stretch arrive together (`sat_out`).
 
 A mixin of `SaguaroCandidateGenerator`: it reads and advances the generator's draft cache (`cache`), per-row state
 (`t_prev`, `glue_start`, `unglued`, `contexts`, `speculations`), the fan-out estimates and timings, and drafts with
-`JustInTimeDrafting`."""
+`JustInTimeDrafting`; commits outcomes with the generator's `_commit`."""
 
 from __future__ import annotations
 
@@ -43,14 +43,7 @@ class PausedDrafting:
         for r, (acc, _) in enumerate(outcomes):
             if verified:  # a serial speculation's acceptance feeds the fan-out's estimate as a backup's does
                 self.estimator.record_round(lookup_kind(self.speculations[r].source), acc, verified)
-        for r in keep_rows:
-            acc, bonus = outcomes[r]
-            self.contexts[r].extend(self.speculations[r].tokens[:acc].tolist())
-            self.contexts[r].append(bonus)
-        bonuses = torch.tensor([b for _, b in outcomes], device=self.device)
-        self.glue_start = (self.glue_start + accepted + 1)[selected]
-        self.t_prev = bonuses[selected]
-        self.contexts = [self.contexts[r] for r in keep_rows]
+        self._commit(outcomes, accepted, keep_rows, selected)
         self.spec_cache = None
         self.schedules = self.estimator.schedules()
         self._round += 1
