@@ -345,8 +345,11 @@ def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Threads that busy-wait for work steal the core the other model's thread needs; set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP threads spin only briefly for work (neither steal the other side's core nor sleep after every parallel
+    # region, see runtime.threads.SPIN_COUNT); set before torch loads.
+    from .openmp import openmp_wait_env
+
+    os.environ.update(openmp_wait_env())
     parser = argparse.ArgumentParser(prog="hf-ssd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, _, add_arguments) in COMMANDS.items():

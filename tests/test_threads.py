@@ -58,3 +58,27 @@ def test_the_choice_is_kept_per_draft_and_per_candidates():
     assert drafting_threads(a, (2, 1)) is not drafting_threads(b, (2, 1))
     assert drafting_threads(a, (4, 1)) is not drafting_threads(a, (2, 1))
     assert drafted_tokens([]) == 0
+
+
+def test_openmp_threads_spin_briefly_unless_the_caller_chose():
+    from hf_ssd.openmp import SPIN_COUNT, openmp_wait_env
+
+    assert openmp_wait_env({}) == {"GOMP_SPINCOUNT": SPIN_COUNT}
+    assert openmp_wait_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
+    assert openmp_wait_env({"GOMP_SPINCOUNT": "0"}) == {}
+
+
+def test_a_worker_is_spawned_with_the_short_spin_and_the_environment_is_restored(monkeypatch):
+    import os
+
+    from hf_ssd.openmp import SPIN_COUNT
+    from hf_ssd.runtime.pool import _short_spin_waits
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with _short_spin_waits():
+        assert os.environ["GOMP_SPINCOUNT"] == SPIN_COUNT  # what the spawned child reads
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with _short_spin_waits():
+        assert "GOMP_SPINCOUNT" not in os.environ  # the caller's policy stands

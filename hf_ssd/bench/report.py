@@ -207,7 +207,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         f"max_new_tokens={s['max_new_tokens']}; repeats={s['repeats']}; seed {s['seed']}",
         "- prompts: " + ", ".join(f"{k} ({v['prompts']}, {v['source']})" for k, v in results["datasets"].items()),
         f"- {env['cpu_model']}, {env['available_cores']} cores; torch {env['torch']}, transformers "
-        f"{env['transformers']}, hf_ssd {env['hf_ssd']}; OMP_WAIT_POLICY={env['omp_wait_policy']}",
+        f"{env['transformers']}, hf_ssd {env['hf_ssd']}; OMP_WAIT_POLICY={env['omp_wait_policy']}, "
+        f"GOMP_SPINCOUNT={env.get('gomp_spincount')}",
         f"- load average (1 min) before {_fmt((load.get('before') or [None])[0])}, after "
         f"{_fmt((load.get('after') or [None])[0])}, during runs {_fmt(during.get('min'))}–{_fmt(during.get('max'))} "
         "(shared machine: compare within this run only)",

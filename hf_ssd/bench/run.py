@@ -55,7 +55,8 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
         "transformers": transformers.__version__, "hf_ssd": __version__, "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(), "available_cores": cores, "torch_threads_default": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "hostname": platform.node(),
     }
 

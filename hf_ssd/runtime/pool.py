@@ -27,6 +27,7 @@ from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing re
 import torch
 import torch.multiprocessing as mp
 
+from ..openmp import openmp_wait_env
 from . import wire
 from .executor import DraftWorkerError
 from .worker import main as worker_main
@@ -84,19 +85,18 @@ def _without_main_module():
 
 
 @contextlib.contextmanager
-def _passive_waits():
-    """Spawn with `OMP_WAIT_POLICY=PASSIVE` unless the caller chose a policy: the worker hands work to and from the
-    caller's process every round, and OpenMP threads that spin after each parallel region (the default; the worker
-    drafts serial speculations on every core) take the core that process needs next. Read by the child at start.
-    (The caller's own process spinning matters more: it is the user's to set, see docs/troubleshooting.md.)"""
-    if "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+def _short_spin_waits():
+    """Spawn with a short OpenMP spin (`threads.openmp_wait_env`) unless the caller chose a policy or a spin count:
+    the worker hands work to and from the caller's process every round, so its threads must not spin on after their
+    work (libgomp's default), nor sleep after every parallel region (PASSIVE: a 2-thread draft step ~1.6x slower).
+    Read by the child at start."""
+    added = openmp_wait_env()
+    os.environ.update(added)
     try:
         yield
     finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
+        for key in added:
+            os.environ.pop(key, None)
 
 
 class _DraftPickler(ForkingPickler):
@@ -148,7 +148,7 @@ class Worker:
         self.process = ctx.Process(target=worker_main, args=(child, self.control, threads), daemon=True,
                                    name=WORKER_NAME)
         start = time.perf_counter()
-        with _without_main_module(), _passive_waits():
+        with _without_main_module(), _short_spin_waits():
             self.process.start()
         child.close()
         self.conn = parent
