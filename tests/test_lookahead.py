@@ -28,6 +28,7 @@ from hf_ssd import SSDConfig, enable_ssd
 from hf_ssd.ema import DecayedMean
 from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
+from hf_ssd.generation import plain_steps as plain_steps_module
 from hf_ssd.generation import probing
 from hf_ssd.generation.candidate_generator import DraftTimings, SaguaroCandidateGenerator
 from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE
@@ -951,7 +952,7 @@ def _plain_policy(monkeypatch, probe_cost: float = 0.0):
 
 
 def _stretched(metrics) -> int:
-    return sum(entry["why"] == lookahead_module.PLAIN_STRETCH for entry in metrics.lookahead_decisions)
+    return sum(entry["why"] == plain_steps_module.PLAIN_STRETCH for entry in metrics.lookahead_decisions)
 
 
 @pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
@@ -965,10 +966,10 @@ def test_greedy_identical_through_plain_stretches(monkeypatch, arch, executor):
         assert len(m.lookahead_per_round) == m.batch_rounds and m.generated_tokens == 70
         whys = [entry["why"] for entry in m.lookahead_decisions]
         assert _stretched(m) >= 20, whys
-        runs = [len(list(group)) for why, group in itertools.groupby(whys) if why == lookahead_module.PLAIN_STRETCH]
-        assert max(runs) <= lookahead_module.STRETCH_MAX
+        runs = [len(list(group)) for why, group in itertools.groupby(whys) if why == plain_steps_module.PLAIN_STRETCH]
+        assert max(runs) <= plain_steps_module.STRETCH_MAX
         assert all(entry["depth"] == 0 and entry["k"] == 0 for entry in m.lookahead_decisions
-                   if entry["why"] == lookahead_module.PLAIN_STRETCH)
+                   if entry["why"] == plain_steps_module.PLAIN_STRETCH)
         if itself:
             assert "trial" in whys and m.draft_acceptance_rate == 1.0
 
@@ -1004,13 +1005,13 @@ def test_a_plain_stretch_leaves_the_draft_as_round_by_round(monkeypatch, do_samp
     token under one seed (sampled ones too) are the same, with the target as its own draft resuming (probes, trials,
     cache hits) between stretches."""
     _plain_policy(monkeypatch)
-    STRETCH_MAX = lookahead_module.STRETCH_MAX  # noqa: N806
+    STRETCH_MAX = plain_steps_module.STRETCH_MAX  # noqa: N806
     target, _ = tiny_pair("llama", seed=95)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(96))
     states = _record_paused_states(monkeypatch)
     outputs, decisions = [], []
-    for stretch in (lookahead_module.STRETCH_MAX, 0):
-        monkeypatch.setattr(lookahead_module, "STRETCH_MAX", stretch)
+    for stretch in (plain_steps_module.STRETCH_MAX, 0):
+        monkeypatch.setattr(plain_steps_module, "STRETCH_MAX", stretch)
         states.append([])
         torch.manual_seed(97)
         outputs.append(target.generate(ids, assistant_model=target, max_new_tokens=80, do_sample=do_sample,

@@ -15,7 +15,8 @@ from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, exact_law, la
 from hf_ssd import SSDConfig
 from hf_ssd.ema import DecayedMean
 from hf_ssd.generation.costs import FLAT_SHAPE
-from hf_ssd.generation.lookahead import SERIAL, LookaheadPolicy
+from hf_ssd.generation.lookahead import LookaheadPolicy
+from hf_ssd.generation.modes import SERIAL
 
 
 def test_config_bounds_serial_depth():

@@ -46,6 +46,8 @@ from .budget import FanoutBudget
 from .confidence import ConfidenceCalibration, StopRule, expected_tokens_per_row
 from .costs import CPU_SHAPE, RoundCosts, position_slope
 from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, expected_tokens
+from .modes import CONCURRENT, PLAIN, RESUME_MARGIN, SERIAL, SPECULATE_MARGIN, _best, _margin
+from .plain_steps import PlainSteps
 from .probing import Probing
 
 EXPLORE_WITHIN = 0.9
@@ -54,43 +56,6 @@ EXPLORE_WITHIN = 0.9
 # gains from the second core what a verification beside the draft does not), and one plain step costs little.
 EXPLORE_PLAIN_WITHIN = 0.5
 RETIME_AFTER = 16  # rounds after which a close competitor's cost, not measured since, is timed again
-# Speculation must promise this much more than plain steps before it is chosen over them: the estimates are noisy
-# and a wrong switch costs a speculative round instead of a plain step, so near a tie plain decoding wins. Returning
-# from plain steps asks more (hysteresis): the estimates then rest on probes of the first position only. Both are
-# the margins where a speculative round costs twice a plain step (MKL's fp32 curve on CPUs); they shrink in
-# proportion to what a wrong switch costs (`_margin`): with a flat curve (packed CPU kernels, GPUs) a speculative
-# round costs little more than a plain step, and waiting for certainty costs more than it saves.
-SPECULATE_MARGIN = 1.05
-RESUME_MARGIN = 1.2
-# How the next speculation is made (`LookaheadPolicy._mode`): by the draft during this verification, by the draft
-# after it (the draft sits the verification out and both run on every core in turn), or not at all.
-CONCURRENT, SERIAL, PLAIN = "concurrent", "serial", "plain"
-# A plain stretch (`LookaheadPolicy.plain_stretch`): plain steps taken in a row, the policy and the draft told once
-# after them. Where a target step costs a few milliseconds (small models, a GPU with its launch overhead) the round
-# loop's own work is a large part of a plain step: a stretch leaves plain decoding's work alone.
-PLAIN_STRETCH = "plain stretch"
-STRETCH_MAX = 16  # plain steps at most before the estimates are weighed again (the plain step's cost moves)
-
-
-def _margin(base: float, acceptance: list[float], speeds: dict[int, float], *more: dict[int, float]) -> float:
-    """`base` scaled by the price of a wrong switch: the fastest speculative round's time over a plain step's, minus
-    one (capped at 1: the steep curve the base margins were set for)."""
-    if 0 not in speeds:
-        return base
-    options = [(k, v) for table in (speeds, *more) for k, v in table.items() if k > 0 and v > 0]
-    if not options:
-        return base
-    k, v = max(options, key=lambda kv: kv[1])
-    extra = expected_tokens(acceptance, k) / v * speeds[0] - 1.0  # R(k) / R(0) - 1
-    return 1.0 + (base - 1.0) * min(max(extra, 0.0), 1.0)
-
-
-def _best(speeds: dict[int, float], margin: float = SPECULATE_MARGIN) -> int:
-    """The fastest K, but a plain step (K = 0) unless speculation beats it by `margin`."""
-    best = max(speeds, key=speeds.get)
-    if best > 0 and 0 in speeds and speeds[best] < margin * speeds[0]:
-        return 0
-    return best
 
 
 def _timed(by_rows: dict[int, dict[int, DecayedMean]]) -> set[int]:
@@ -98,7 +63,7 @@ def _timed(by_rows: dict[int, dict[int, DecayedMean]]) -> set[int]:
     return {k for table in by_rows.values() for k in table}
 
 
-class LookaheadPolicy(RoundCosts):
+class LookaheadPolicy(PlainSteps, RoundCosts):
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
@@ -239,77 +204,6 @@ class LookaheadPolicy(RoundCosts):
             if rates:
                 self.trace[-1]["budget_tok_s"] = {b: round(v, 2) for b, v in rates.items()}
         return self.fanout.current
-
-    def first_depth(self, rows: int = 1) -> int:
-        """How deep the draft drafts the first speculations of `rows` rows (`begin`): K_max, or 0 when earlier calls
-        with this draft left it no use here — by its remembered acceptance and this target's remembered costs,
-        plain steps beat every way of speculating by the margin a return from plain steps asks (`_margin`). The
-        call then starts as the last one went on: plain steps, the draft paused (it only prefills), probes looking
-        for text it predicts."""
-        self._active_rows = rows
-        memory = self.memory
-        if not self.adaptive or memory is None or self.draft_key not in memory.acceptance:
-            return self.k_max
-        acceptance = self.acceptance.estimates()
-        table, serial_table = self.times(), self.serial_times() if self.serial_option else {}
-        speeds = {k: expected_tokens(acceptance, k) / seconds for k in range(self.k_max + 1)
-                  if (seconds := self.round_seconds(k, table))}
-        serial_speeds = {k: expected_tokens(acceptance, k) / seconds for k in range(1, self.k_max + 1)
-                         if self.serial_option and (seconds := self.serial_round_seconds(k, table, serial_table))}
-        best = max([v for k, v in speeds.items() if k] + list(serial_speeds.values()), default=None)
-        if 0 not in speeds or best is None or best >= _margin(RESUME_MARGIN, acceptance, speeds, serial_speeds) * (
-                speeds[0]):
-            return self.k_max
-        self._starts_plain = True
-        self.probing.timed_plain_step()  # paused from the first round on
-        return 0
-
-    # --- plain stretches -----------------------------------------------------------------------------------------
-    def plain_stretch(self) -> int:
-        """How many rounds after this one the loop may take as plain steps without deciding each (a plain stretch):
-        this round was a plain step chosen on the estimates with the draft paused, and until the next probe no
-        acceptance sample can arrive to move them, only the plain step's own cost. At most `STRETCH_MAX`, so that
-        the costs are weighed again as the context grows; 0 otherwise."""
-        if not self.adaptive or not self.trace or self.serial or self._mode != PLAIN:
-            return 0
-        last = self.trace[-1]
-        if last["k"] != 0 or last.get("depth") != 0 or last["why"] != "best":
-            return 0
-        return min(self.probing.quiet_rounds(self._plain_probe_cost), STRETCH_MAX)
-
-    def plain_step(self) -> None:
-        """Start a round of a plain stretch: recorded as chosen, the probing state advanced as `depth` would (it
-        keeps the draft paused: `plain_stretch` counted the rounds it does)."""
-        self._round_start = time.perf_counter()
-        self.probing.decide()
-        self.probing.plain_depth(self.k_max, self._plain_probe_cost)
-        self.trace.append({"k": 0, "why": PLAIN_STRETCH, "wanted": 0, "mode": PLAIN, "rows": self._active_rows,
-                           "depth": 0, "tokens": 1.0})
-
-    def _probe_cost(self) -> float:
-        """What a probe adds to its round, as a fraction of a plain step (`Probing` spaces probes by it): what rounds
-        with the draft drafting one token (beside the plain step, inline or just in time after it) took beyond
-        rounds with the draft paused — the whole cost, messages to a worker process and the glue of the tokens
-        committed meanwhile included; until measured in this call, as earlier calls with this draft measured it,
-        else a just-in-time probe's drafting as measured. 0 while unknown."""
-        plain, probe = self.plain_round.value, self.probe_round.value
-        if plain and probe is not None:
-            return max(probe - plain, 0.0) / plain
-        remembered = self.memory.probe_cost.get((self.draft_key, self.setting)) if self.memory is not None else None
-        if remembered is not None:  # as earlier calls with this draft measured it
-            return remembered
-        if self.serial_option and self.serial_fixed.value is not None:
-            plain = self.verify_seconds(0)
-            return self.serial_drafting_seconds(1) / plain if plain else 0.0
-        return 0.0
-
-    def _drafted_after(self, depth: int) -> int:
-        """With serial rounds available, the draft's work for a probe or a trial is done after the verification, on
-        every core (cheaper than beside it): depth 0 now, `serial` tokens drafted just in time."""
-        if depth and self.serial_option:
-            self.serial = depth
-            return 0
-        return depth
 
     def _choose(self, limit: int) -> int:
         """The best K within `limit`; `_wanted` keeps the best K over 0..K_max (what the next speculation should
