@@ -314,7 +314,7 @@ def test_critical_path_per_decode_round():
         "target_phase_seconds": {"target_forward": 0.9, "verify": 0.01, "emit": 0.02, "realign": 0.01,
                                  "hand_off": 0.005, "wait_prepare": 0.03, "wait_resolve": 0.02, "wait_first": 0.1},
         "draft_phase_seconds": {"glue_forward": 0.1, "tree_forward": 0.6, "backup_forward": 0.05, "compact": 0.01,
-                                "prepare": 0.75, "resolve": 0.08, "begin": 0.1},
+                                "serial_forward": 0.1, "prepare": 0.75, "resolve": 0.18, "begin": 0.1},
     }
     path = critical_path([run, {**run, "batch_rounds": 1}])  # a one-round run has no decode rounds: left out
     assert path["rounds"] == 10 and path["round_ms"] == pytest.approx(100.0)
@@ -322,7 +322,8 @@ def test_critical_path_per_decode_round():
     assert target["target_forward"] == pytest.approx(70.0)  # (0.9 - 0.2) / 10
     assert sum(target.values()) == pytest.approx(100.0) and target["other"] == pytest.approx(100 - 70 - 9.5)
     assert draft["prepare_python"] == pytest.approx(5.0) and draft["resolve_python"] == pytest.approx(2.0)
-    assert sum(draft.values()) == pytest.approx(100.0) and draft["idle"] == pytest.approx(100 - 83)
+    assert draft["serial_forward"] == pytest.approx(10.0)  # a serial round's drafting, not the resolve's Python
+    assert sum(draft.values()) == pytest.approx(100.0) and draft["idle"] == pytest.approx(100 - 93)
     table = critical_path_table({"process": path, "missing": None})
     assert "| target | target forward (verification) | 70.00 |" in table and "missing" not in table
     assert critical_path([{**run, "target_phase_seconds": {}}]) is None

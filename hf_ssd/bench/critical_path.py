@@ -26,6 +26,7 @@ DRAFT_ROWS = (
     ("tree_forward", "tree forwards"),
     ("prepare_python", "prepare: masks, fork, bookkeeping"),
     ("backup_forward", "backup forwards (just-in-time draft)"),
+    ("serial_forward", "serial forwards (drafted after a verification it sat out)"),
     ("compact", "resolve: KV compaction"),
     ("resolve_python", "resolve: lookup, commit, fast backups"),
     ("idle", "idle"),
@@ -49,14 +50,16 @@ def critical_path(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None
     wall = sum(m["wall_seconds"] - m["first_verify_seconds"] - m["first_wait_seconds"] for m in runs)
     target["other"] = max(wall - sum(target.values()), 0.0)
     draft_total = {name: total("draft_phase_seconds", name) for name in (
-        "glue_forward", "tree_forward", "backup_forward", "compact", "prepare", "resolve")}
+        "glue_forward", "tree_forward", "backup_forward", "serial_forward", "compact", "prepare", "resolve")}
     draft = {
         "glue_forward": draft_total["glue_forward"],
         "tree_forward": draft_total["tree_forward"],
         "prepare_python": max(draft_total["prepare"] - draft_total["glue_forward"] - draft_total["tree_forward"], 0.0),
         "backup_forward": draft_total["backup_forward"],
+        "serial_forward": draft_total["serial_forward"],
         "compact": draft_total["compact"],
-        "resolve_python": max(draft_total["resolve"] - draft_total["backup_forward"] - draft_total["compact"], 0.0),
+        "resolve_python": max(draft_total["resolve"] - draft_total["backup_forward"] - draft_total["serial_forward"]
+                              - draft_total["compact"], 0.0),
     }
     draft["idle"] = max(wall - sum(draft.values()), 0.0)
     per_round = 1e3 / rounds
