@@ -346,7 +346,7 @@ def serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     # OpenMP threads spin only briefly for work (neither steal the other side's core nor sleep after every parallel
-    # region, see runtime.threads.SPIN_COUNT); set before torch loads.
+    # region, see hf_ssd.openmp.SPIN_COUNT); set before torch loads.
     from .openmp import openmp_wait_env
 
     os.environ.update(openmp_wait_env())

@@ -86,9 +86,10 @@ def _without_main_module():
 
 @contextlib.contextmanager
 def _short_spin_waits():
-    """Spawn with a short OpenMP spin (`threads.openmp_wait_env`) unless the caller chose a policy or a spin count:
-    the worker hands work to and from the caller's process every round, so its threads must not spin on after their
-    work (libgomp's default), nor sleep after every parallel region (PASSIVE: a 2-thread draft step ~1.6x slower).
+    """Spawn with a short OpenMP spin (`hf_ssd.openmp.openmp_wait_env`) unless the caller chose a policy or a spin
+    count: the worker hands work to and from the caller's process every round, so its threads must not spin on after
+    their work (libgomp's default), nor sleep after every parallel region (PASSIVE: a 2-thread draft step ~1.6x
+    slower).
     Read by the child at start."""
     added = openmp_wait_env()
     os.environ.update(added)
