@@ -601,6 +601,16 @@ def _record_paused_states(monkeypatch) -> list[list[tuple]]:
     return states
 
 
+def _self_drafted_run(target, ids, states, seed: int, max_new_tokens: int, do_sample: bool) -> torch.Tensor:
+    """One recorded run with the target as its own draft (inline, draft backup, constant budget): a new list in
+    `states` (`_record_paused_states`), the global seed set, the output returned."""
+    states.append([])
+    torch.manual_seed(seed)
+    return target.generate(ids, assistant_model=target, max_new_tokens=max_new_tokens, do_sample=do_sample, top_k=0,
+                           ssd_config=SSDConfig(lookahead=3, executor="sync", backup="draft",
+                                                fanout_budget_schedule="constant"))
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_repeated_paused_rounds_keep_the_drafts_state(monkeypatch, do_sample):
     """A paused round right after one that ran nothing (`_resolve_paused_again`) leaves the draft exactly as the
@@ -624,11 +634,7 @@ def test_repeated_paused_rounds_keep_the_drafts_state(monkeypatch, do_sample):
             return _path(self, outcomes)
 
         monkeypatch.setattr(SaguaroCandidateGenerator, "_resolve_paused_again", counted)
-        states.append([])
-        torch.manual_seed(73)
-        outputs.append(target.generate(ids, assistant_model=target, max_new_tokens=40, do_sample=do_sample,
-                                       top_k=0, ssd_config=SSDConfig(lookahead=3, executor="sync", backup="draft",
-                                                                      fanout_budget_schedule="constant")))
+        outputs.append(_self_drafted_run(target, ids, states, 73, 40, do_sample))
         assert target.ssd_metrics.cache_hits > 0
         assert do_sample or target.ssd_metrics.draft_acceptance_rate == 1.0  # (sampling: Saguaro reshapes q)
     assert sum(fast_calls) >= 6 and fast_calls.count(False) == sum(fast_calls)  # each path ran equally often
@@ -1012,11 +1018,7 @@ def test_a_plain_stretch_leaves_the_draft_as_round_by_round(monkeypatch, do_samp
     outputs, decisions = [], []
     for stretch in (plain_steps_module.STRETCH_MAX, 0):
         monkeypatch.setattr(plain_steps_module, "STRETCH_MAX", stretch)
-        states.append([])
-        torch.manual_seed(97)
-        outputs.append(target.generate(ids, assistant_model=target, max_new_tokens=80, do_sample=do_sample,
-                                       top_k=0, ssd_config=SSDConfig(lookahead=3, executor="sync", backup="draft",
-                                                                      fanout_budget_schedule="constant")))
+        outputs.append(_self_drafted_run(target, ids, states, 97, 80, do_sample))
         m = target.ssd_metrics
         assert (_stretched(m) >= 30) == bool(stretch) and m.cache_hits > 0
         decisions.append([(entry["k"], entry["depth"]) for entry in m.lookahead_decisions])
