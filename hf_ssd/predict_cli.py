@@ -9,16 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .speed_model import (
-    CPU_QWEN_INT8,
-    FAST_BACKUPS,
-    H100_PUBLISHED,
-    Latencies,
-    Statistics,
-    explain_gap,
-    predict,
-    predict_h100,
-)
+from .speed_model import FAST_BACKUPS, Latencies, Statistics, explain_gap, predict
+from .speed_settings import CPU_QWEN_INT8, H100_PUBLISHED, predict_h100
 
 
 def _parse_table(text: str) -> dict[int, float]:
@@ -34,7 +26,7 @@ def _parse_table(text: str) -> dict[int, float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `hf-ssd predict`."""
-    lat = parser.add_argument_group("latencies (ms; default: speed_model.CPU_QWEN_INT8, measured on a 2-core CPU)")
+    lat = parser.add_argument_group("latencies (ms; default: speed_settings.CPU_QWEN_INT8, measured on a 2-core CPU)")
     lat.add_argument("--target-step-ms", type=float, help="one AR target forward (1 token)")
     lat.add_argument("--target-verify-ms", type=_parse_table, help="verification by K draft tokens, e.g. 4:238,8:317")
     lat.add_argument("--draft-step-ms", type=float, help="one single-token draft forward")
@@ -186,5 +178,5 @@ def run_command(args: argparse.Namespace) -> int:
         print()
         _print_prediction(h100)
         print("  (a prediction: these statistics with latencies assumed from the paper's AR figure; see "
-              "hf_ssd.speed_model.h100_latencies)")
+              "hf_ssd.speed_settings.h100_latencies)")
     return 0

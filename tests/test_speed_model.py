@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 from hf_ssd.cli import main
 from hf_ssd.metrics import SSDMetrics
 from hf_ssd.speed_model import (
-    CPU_QWEN_INT8,
-    H100_PUBLISHED,
     Latencies,
     Statistics,
     acceptance_for_tokens,
@@ -23,15 +21,13 @@ from hf_ssd.speed_model import (
     expected_tokens_miss,
     expected_tokens_sd,
     explain_gap,
-    h100_latencies,
-    h100_statistics,
     predict,
-    predict_h100,
     speedup_sd,
     speedup_ssd,
     speedup_ssd_batch,
     ssd_over_sd_bounds,
 )
+from hf_ssd.speed_settings import CPU_QWEN_INT8, H100_PUBLISHED, h100_latencies, h100_statistics, predict_h100
 
 unit = st.floats(0.0, 1.0)
 tokens = st.floats(1.0, 9.0)

@@ -310,7 +310,7 @@ def _explain_sd_gap(pred: Mapping[str, Any], sd: Mapping[str, Any], K: int) -> l
 def h100_predictions(summary: Mapping[str, Mapping[str, Any]], methods: Sequence[MethodSpec],
                      settings: BenchSettings) -> dict[str, Any]:
     """`predict_h100` with this run's pooled statistics (all datasets), per published setting: a PREDICTION."""
-    from ..speed_model import predict_h100
+    from ..speed_settings import predict_h100
 
     ssd_spec = next((m for m in methods if m.kind in ("ssd", "ssd-sync")), None)
     if ssd_spec is None:
