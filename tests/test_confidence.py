@@ -64,6 +64,38 @@ def test_forgetting_lets_the_calibration_follow_the_text():
     assert float(cal.acceptance(torch.tensor([0.95]))[0]) > 0.9
 
 
+def test_the_first_token_and_the_later_ones_are_calibrated_apart():
+    """Acceptance comes in runs: a token whose drafted predecessors were accepted is accepted more often than a
+    speculation's first at the same confidence; each position kind learns its own f, and a speculation's first
+    column is read from the first token's table, the others from the later ones'."""
+    cal = ConfidenceCalibration()
+    for _ in range(40):
+        cal.add(0.85, 0.0, position=0)  # first tokens at c = 0.85 rejected
+        cal.add(0.85, 1.0, position=2)  # third tokens at c = 0.85 accepted
+    first, later = cal.tables()
+    b = int(bin_of(torch.tensor([0.85]))[0])
+    assert first[b] < 0.2 and later[b] > 0.9  # (the first pooled with the bins under it: non-decreasing)
+    f = cal.acceptance(torch.full((2, 3), 0.85))
+    assert f[:, 0].tolist() == pytest.approx([first[b]] * 2) and f[:, 1:].flatten().tolist() == pytest.approx(
+        [later[b]] * 4)
+    assert cal.acceptance(torch.empty(1, 0)).shape == (1, 0)
+    # unmeasured bins stand at each kind's own prior
+    first, later = ConfidenceCalibration().tables(first=0.3, later=0.8)
+    assert first == pytest.approx([0.3] * (len(EDGES) + 1)) and later == pytest.approx([0.8] * (len(EDGES) + 1))
+
+
+def test_stop_rule_prices_the_first_token_and_the_later_ones_apart():
+    """A hesitant first position (f 0.4) with sure later ones (f 0.9), gain 0.2: reach after the first token is
+    0.4 and each next one is worth reach x 0.9 (0.36, 0.32, 0.29, 0.26, 0.24, 0.21, then 0.19): seven tokens; one
+    table at 0.4 values the second at 0.16 and stops after the first."""
+    first, later = (0.4,) * (len(EDGES) + 1), (0.9,) * (len(EDGES) + 1)
+    assert _drafted(StopRule(first, 0.2, later), 10) == 7
+    assert _drafted(StopRule(first, 0.2), 10) == 1
+    assert _drafted(StopRule(later, 0.2, first), 10) == 2  # the other way round: 0.9 x 0.4 = 0.36, 0.14
+    assert _drafted(StopRule(first, 0.2, at_least=2), 10) == 2  # the second drafted whatever it is worth
+    assert _drafted(StopRule(first, 0.2, later, at_least=2), 10) == 7
+
+
 def test_expected_tokens_per_row():
     e = expected_tokens_per_row(torch.tensor([[1.0, 0.5, 0.5], [0.0, 1.0, 1.0]]))
     assert e.tolist() == [[1.0, 2.0, 2.5, 2.75], [1.0, 1.0, 1.0, 1.0]]
@@ -77,7 +109,7 @@ def _drafted(rule: StopRule, length: int, confidence: float = 0.5) -> int:
     reach, rows = torch.ones(2), torch.tensor([True, False])
     for i in range(length):
         if i + 1 < length:
-            going, reach = rule.keeps_going(reach, torch.full((2,), confidence), rows)
+            going, reach = rule.keeps_going(reach, torch.full((2,), confidence), rows, i + 1)
             if not going:
                 return i + 1
     return length
@@ -97,6 +129,10 @@ def test_stop_rule_drafts_while_the_next_token_pays():
 def test_stop_rule_crosses_processes_as_a_list():
     rule = StopRule(tuple(float(i) / 12 for i in range(len(EDGES) + 1)), 0.25)
     assert StopRule.from_list(rule.to_list()) == rule
+    split = StopRule(rule.table, 0.25, tuple(0.5 + float(i) / 30 for i in range(len(EDGES) + 1)))
+    assert StopRule.from_list(split.to_list()) == split and split != rule
+    sampling = StopRule(rule.table, 0.25, at_least=2)
+    assert StopRule.from_list(sampling.to_list()) == sampling
     assert StopRule.from_list([0.0] * (len(EDGES) + 2)) is None  # gain 0: no rule
 
 
@@ -118,12 +154,16 @@ def _measured_policy(**kwargs) -> LookaheadPolicy:
 
 def test_the_round_verifies_as_deep_as_its_confidences_pay():
     policy = _measured_policy(confidence=True)
-    # unmeasured, every bin stands at the run's pooled acceptance: confidence tells nothing yet
-    assert policy.confidence_table() == pytest.approx([policy.acceptance.pooled()] * (len(EDGES) + 1))
+    # unmeasured, every bin stands at the run's acceptance (of the first position, of the later ones): confidence
+    # tells nothing yet
+    first, later = policy.confidence_tables()
+    assert first == pytest.approx([policy.acceptance.estimates()[0]] * (len(EDGES) + 1))
+    assert later == pytest.approx([policy.acceptance.beyond_first()] * (len(EDGES) + 1))
     assert policy.choose(3, confidence=[torch.tensor([0.99, 0.99, 0.01])]) == 3
-    for _ in range(20):  # what this pair has shown: sure tokens accepted, hesitant ones not
-        policy.calibration.add(0.99, 1.0)
-        policy.calibration.add(0.01, 0.0)
+    for _ in range(20):  # what this pair has shown: sure tokens accepted, hesitant ones not, at every position
+        for position in (0, 1):
+            policy.calibration.add(0.99, 1.0, position)
+            policy.calibration.add(0.01, 0.0, position)
     assert policy.choose(3, confidence=[torch.tensor([0.99, 0.99, 0.01])]) == 2
     entry = policy.trace[-1]
     assert entry["tok_s"][3] > entry["tok_s"][2]  # the average acceptance alone would verify all three
@@ -157,7 +197,9 @@ def test_the_policy_learns_its_calibration_from_verifications():
     for _ in range(30):
         policy.observe_verification([SimpleNamespace(speculation=spec)],
                                     SimpleNamespace(verified=2, accepted=[2], scores=scores))
-    assert float(policy.calibration.acceptance(torch.tensor([0.5]))[0]) > 0.6  # the free samples at c = 0.5
+    # the free samples at c = 0.5, three tokens in: the later tokens' table; the first token's has none
+    assert float(policy.calibration.acceptance(torch.tensor([0.99, 0.99, 0.5]))[2]) > 0.6
+    assert float(policy.calibration.acceptance(torch.tensor([0.5]))[0]) == pytest.approx(0.55)  # its prior
 
 
 def test_the_calibration_carries_over_to_the_next_call_on_the_same_pair():
@@ -178,9 +220,26 @@ def test_stop_rule_prices_a_drafted_token_at_the_chosen_speed():
     assert policy.stop_rule() is None  # no backup token timed yet: the backup drafts the full depth
     policy.backup_token.add(0.02)
     rule = policy.stop_rule()
-    assert rule.gain == pytest.approx(policy._rate * (0.02 + 0.01), rel=1e-6)  # + one more verified position
-    assert policy.trace[-1]["stop_gain"] == pytest.approx(rule.gain, abs=1e-3)
+    assert rule.gain == pytest.approx(policy._rate * 0.02, rel=1e-6)  # drafting it
+    assert rule.extra == pytest.approx([policy._rate * 0.01] * 2, rel=1e-6)  # + one more verified position each
+    assert rule.gain_after(1) == pytest.approx(rule.gain_after(5)) == pytest.approx(policy._rate * 0.03, rel=1e-6)
+    assert policy.trace[-1]["stop_gain"] == pytest.approx([rule.gain_after(1)] * 2, abs=1e-3)
     assert _measured_policy(confidence=False).stop_rule() is None
+
+
+def test_stop_rule_prices_each_position_at_the_cost_curve_step_there():
+    """A curve flat to three positions, then a jump (a packed target on one 2-core Xeon: K = 1, 2 at 240-250 ms,
+    K = 3 at 450 ms): the second drafted token costs its draft step and 5 ms of verification, the third the jump.
+    Priced at the average slope, every token after the first looked as dear as the jump."""
+    from hf_ssd.generation.costs import position_costs
+
+    curve = {0: 0.230, 1: 0.242, 2: 0.247, 3: 0.452, 4: 0.467}
+    assert position_costs(curve, 4) == pytest.approx([0.005, 0.205, 0.015, 0.09])  # the last: the median slope
+    assert position_costs({}, 2) == [0.0, 0.0]
+    rule = StopRule((0.8,) * (len(EDGES) + 1), 5.0 * 0.036, extra=tuple(5.0 * c for c in position_costs(curve, 3)))
+    assert rule.gain_after(1) == pytest.approx(5.0 * 0.041) and rule.gain_after(2) == pytest.approx(5.0 * 0.241)
+    assert _drafted(rule, 8) == 2  # reach x f after two tokens: 0.51 (< 1.2, the jump's price)
+    assert StopRule.from_list([*rule.to_list(), 0.0, 0.0]) == rule  # a longer buffer's tail ignored
 
 
 def test_the_price_of_a_further_verified_position_is_a_robust_slope():

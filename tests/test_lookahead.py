@@ -263,6 +263,53 @@ def test_serial_drafting_costs_a_fixed_part_and_a_step_per_token(clock):
     assert untimed.serial_fixed.value is None and untimed.serial_drafting_seconds(4) == pytest.approx(0.080)
 
 
+def test_a_slow_first_step_does_not_keep_serial_speculations_short(clock):
+    """A step is measured only where a speculation runs two tokens or more: a slow first measurement (55 ms, the
+    call's first drafts; 37 ms later) would stand while it keeps the speculations one token deep. A further token
+    never costs more than the fixed part (a forward of the committed tokens and the first one), measured every
+    serial round."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True, confidence=True)
+    policy.choose(4)
+    policy.observe_round(0.1, DraftTimings(), 0, 0)
+    slow = DraftTimings(serial_calls=1, serial_seconds=0.060 + 3 * 0.055, serial_tokens=4, serial_steps=3,
+                        serial_step_seconds=3 * 0.055)
+    policy.choose(4)
+    policy.observe_round(0.1, slow, 0, 0)
+    assert policy.serial_step() == pytest.approx(0.055)
+    timings = slow
+    for _ in range(6):  # one-token speculations at 42 ms each: no step measured
+        timings = DraftTimings(serial_calls=timings.serial_calls + 1, serial_seconds=timings.serial_seconds + 0.042,
+                               serial_tokens=timings.serial_tokens + 1, serial_steps=3,
+                               serial_step_seconds=timings.serial_step_seconds)
+        policy.choose(4)
+        policy.observe_round(0.1, timings, 0, 0)
+    assert policy.serial_token.value == pytest.approx(0.055)
+    assert policy.serial_step() == pytest.approx(policy.serial_fixed.value) and policy.serial_step() < 0.045
+    assert policy.serial_drafting_seconds(3) == pytest.approx(3 * policy.serial_fixed.value)
+
+
+def test_one_token_speculations_still_sample_the_second_position():
+    """A serial speculation's second token is the free sample of a_2 (when the first is accepted); one-token
+    speculations never give it. While a_2 has under half a (decayed) sample and a_1 is promising, just-in-time
+    drafting runs at least two tokens; once sampled, or where a_1 is poor, the stop rule alone decides."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True, confidence=True)
+    policy.serial, policy._rate = 4, 5.0
+    policy.serial_token.add(0.04)
+    policy.serial_fixed.add(0.05)
+    policy.trace.append({"k": 1})
+    assert policy.stop_rule().at_least == 2 and policy.trace[-1]["at_least"] == 2
+    policy.acceptance.add(1, 1.0)  # a_2 sampled
+    assert policy.stop_rule().at_least == 1
+    for _ in range(5):  # ... five rounds ago
+        policy.acceptance.decay()
+    assert policy.stop_rule().at_least == 2
+    for _ in range(20):  # a poor first position: a second token would rarely be reached
+        policy.acceptance.add(0, 0.0)
+    assert policy.stop_rule().at_least == 1
+
+
 def test_a_plain_step_is_tried_when_it_might_win(clock):
     """Measured verifications of several positions cost about the same (a CPU's matrix products), acceptance is
     low: the plain step's optimistic prior makes it worth one try, after which its measured cost decides."""
@@ -360,17 +407,39 @@ def test_returning_from_plain_steps_asks_for_a_larger_gain(clock):
     assert policy.choose(3) == 0
 
 
-def test_unreached_positions_revert_to_the_pooled_acceptance():
-    """A deep position not reached for a while (plain steps and probes only sample a_1) shrinks to what this pair
-    has shown at every position, not to the configured prior."""
+def test_unreached_positions_revert_to_what_the_pair_showed_there():
+    """A position not reached for a while (plain steps and probes only sample a_1) shrinks to what this pair has
+    shown: the first to the pooled acceptance, a later one to the acceptance at the positions after the first (each
+    reached only when the ones before were accepted), not to the configured prior."""
     tracker = estimates_module.AcceptanceTracker(5, prior=0.7)
     for _ in range(20):
         tracker.add(0, 1.0)
         tracker.add(1, 0.0)
     assert tracker.pooled() == pytest.approx((20 + 0.7 * 2) / (40 + 2))
+    assert tracker.later() == pytest.approx((0 + tracker.pooled() * 2) / (20 + 2))
     estimates = tracker.estimates()
-    assert estimates[3] == estimates[4] == pytest.approx(tracker.pooled()) and estimates[3] < 0.7
+    assert estimates[3] == estimates[4] == pytest.approx(tracker.later()) and estimates[3] < 0.1
     assert estimates[0] > 0.95 and estimates[1] < 0.05
+    for _ in range(30):  # many rounds with nothing past the first position: the recent counts fade
+        tracker.decay()
+    assert tracker.beyond_first() == pytest.approx(tracker.later(), abs=0.01)
+
+
+def test_after_a_first_token_the_later_positions_keep_their_own_odds():
+    """Bursty acceptance: first positions rejected half the time, later ones nearly always accepted. The later
+    positions' estimates stay at their own odds, above the pooled acceptance."""
+    tracker = estimates_module.AcceptanceTracker(5, prior=0.7)
+    for i in range(40):
+        tracker.decay()
+        if i % 2:
+            tracker.add(0, 0.0)
+        else:
+            for j in range(4):
+                tracker.add(j, 1.0)
+            tracker.add(4, 0.0)
+    assert tracker.later() == pytest.approx(0.75, abs=0.01)  # 3 of every 4 later positions reached
+    assert tracker.pooled() < 0.7 and tracker.estimates()[0] < 0.6
+    assert min(tracker.estimates()[1:4]) > 0.9 > 0.2 > tracker.estimates()[4]
 
 
 def test_a_later_call_remembers_the_cost_curve(clock):

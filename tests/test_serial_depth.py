@@ -53,8 +53,8 @@ def test_a_serial_round_verifies_past_k_where_the_draft_is_sure():
     assert policy._mode == SERIAL and k > 3, policy.trace[-1]
     assert policy.depth(k) == 0 and policy.serial == 10  # the next speculation may run 10 deep again
     unsure = torch.tensor([0.99, 0.99, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05])
-    for _ in range(30):  # the pair has shown that unsure tokens are rejected
-        policy.calibration.add(0.05, 0.0)
+    for _ in range(30):  # the pair has shown that unsure tokens (past the first) are rejected
+        policy.calibration.add(0.05, 0.0, position=2)
     assert policy.choose(10, confidence=[unsure]) == 2
 
 

@@ -3,12 +3,18 @@
 Every drafted token carries the draft's confidence c (its top probability under greedy decoding, q of the token when
 sampling: `Speculation.confidence`). How often the target accepts a token of confidence c, f(c), is learnt online per
 run and kept for the next calls with the same pair (`ConfidenceCalibration`: decayed counts per confidence bin, each
-shrunk to a prior until measured: the run's pooled acceptance, so that a bin without samples behaves as if confidence
-told nothing), from every verified token and the free sample one position beyond. The lookahead policy uses f twice:
+shrunk to a prior until measured: the run's acceptance, so that a bin without samples behaves as if confidence told
+nothing), from every verified token and the free sample one position beyond. It is learnt apart for a speculation's
+first token and for the tokens after it (`FIRST`, `LATER`): acceptance comes in runs, so a token whose drafted
+predecessors were all accepted is accepted more often than the first one at the same confidence (measured on the real
+pair, translation prompts: a_1 0.4-0.6, a_2..a_5 0.6-0.9 given the ones before accepted); one table for both priced
+every later token at the first one's odds and stopped drafting one or two tokens deep where SD's fixed K = 4 had its
+four accepted. The lookahead policy uses f twice:
 
-* how many of this round's drafted tokens to verify: E(K) = 1 + Σ_{i<=K} Π_{j<=i} f(c_j) of the speculation in hand
-  (per row, averaged over a batch's rows) instead of the run's average acceptance per position; a speculation whose
-  draft hesitated at its second token is verified one token deep, one it was sure of all the way through;
+* how many of this round's drafted tokens to verify: E(K) = 1 + Σ_{i<=K} Π_{j<=i} f_j(c_j) of the speculation in hand
+  (f_1 the first token's table, f_j the later one's; per row, averaged over a batch's rows) instead of the run's
+  average acceptance per position; a speculation whose draft hesitated at its second token is verified one token
+  deep, one it was sure of all the way through;
 * how far the draft drafts just in time (a serial round's speculation, a backup's on a miss): token after token
   while the expected gain of the next one, reach × f(c) (reach: the chance every earlier token is accepted), is
   worth its cost (`StopRule`), as transformers' `assistant_confidence_threshold` stops its assistant, but with the
@@ -31,6 +37,7 @@ from .estimates import non_decreasing
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 DECAY = 0.98  # per round that brings samples: the pair's calibration moves slowly with the text
 PRIOR_WEIGHT = 2.0  # samples' worth of the prior f(c) = c (each bin's midpoint)
+FIRST, LATER = 0, 1  # a speculation's first token; a token after drafted ones (reached only when they were accepted)
 
 
 def bin_of(confidence: torch.Tensor) -> torch.Tensor:
@@ -45,43 +52,53 @@ def _midpoints() -> list[float]:
 
 
 class ConfidenceCalibration:
-    """f(c): the acceptance of a drafted token given the draft's confidence in it, per bin (see the module
-    docstring)."""
+    """f(c): the acceptance of a drafted token given the draft's confidence in it, per bin, for a speculation's first
+    token and for the later ones (see the module docstring)."""
 
     def __init__(self, decay: float = DECAY, prior_weight: float = PRIOR_WEIGHT):
         self.decay, self.prior_weight = decay, prior_weight
         self.prior = _midpoints()
-        self.reached = [0.0] * len(self.prior)
-        self.passed = [0.0] * len(self.prior)
+        self.reached = [[0.0] * len(self.prior) for _ in (FIRST, LATER)]
+        self.passed = [[0.0] * len(self.prior) for _ in (FIRST, LATER)]
         self.samples = 0
 
     def forget(self) -> None:
         """Age every count by one round."""
-        self.reached = [self.decay * r for r in self.reached]
-        self.passed = [self.decay * p for p in self.passed]
+        self.reached = [[self.decay * r for r in counts] for counts in self.reached]
+        self.passed = [[self.decay * p for p in counts] for counts in self.passed]
 
-    def add(self, confidence: float, accepted: float) -> None:
-        """One sample: a token of that confidence was accepted (1), rejected (0), or accepted with that
-        probability (a free sample under sampling)."""
-        b = bisect.bisect_right(EDGES, confidence)
-        self.reached[b] += 1.0
-        self.passed[b] += accepted
+    def add(self, confidence: float, accepted: float, position: int = 0) -> None:
+        """One sample: the token at `position` of its speculation (0: the first), of that confidence, was accepted
+        (1), rejected (0), or accepted with that probability (a free sample under sampling)."""
+        kind, b = min(position, LATER), bisect.bisect_right(EDGES, confidence)
+        self.reached[kind][b] += 1.0
+        self.passed[kind][b] += accepted
         self.samples += 1
 
-    def table(self, prior: float | None = None) -> list[float]:
-        """f per bin: measured, shrunk to `prior` (default: each bin's midpoint), and non-decreasing in confidence (a
-        more confident token is never predicted less likely accepted: adjacent bins that disagree are pooled)."""
-        w = self.prior_weight
+    def table(self, prior: float | None = None, kind: int = FIRST) -> list[float]:
+        """f per bin for `kind` (`FIRST` or `LATER`): measured, shrunk to `prior` (default: each bin's midpoint), and
+        non-decreasing in confidence (a more confident token is never predicted less likely accepted: adjacent bins
+        that disagree are pooled)."""
+        w, reached, passed = self.prior_weight, self.reached[kind], self.passed[kind]
         priors = self.prior if prior is None else [prior] * len(self.prior)
-        values = [(p + m * w) / (r + w) for p, r, m in zip(self.passed, self.reached, priors)]
-        weights = [r + w for r in self.reached]
+        values = [(p + m * w) / (r + w) for p, r, m in zip(passed, reached, priors)]
+        weights = [r + w for r in reached]
         return non_decreasing(values, weights)
 
-    def acceptance(self, confidence: torch.Tensor, table: list[float] | None = None) -> torch.Tensor:
-        """f(c) for a tensor of confidences (float32, same shape)."""
-        table = self.table() if table is None else table
-        lookup = torch.tensor(table, dtype=torch.float32, device=confidence.device)
-        return lookup[bin_of(confidence)]
+    def tables(self, first: float | None = None, later: float | None = None) -> tuple[list[float], list[float]]:
+        """(f of a first token, f of a later one) per bin, each shrunk to its prior (`table`)."""
+        return self.table(first, FIRST), self.table(later, LATER)
+
+    def acceptance(self, confidence: torch.Tensor, tables: tuple[list[float], list[float]] | None = None
+                   ) -> torch.Tensor:
+        """f(c) for a tensor of confidences [..., n] (float32, same shape) of speculations' tokens in order: the
+        first position by the first token's table, the others by the later one's."""
+        first, later = self.tables() if tables is None else tables
+        bins = bin_of(confidence)
+        f = torch.tensor(later, dtype=torch.float32, device=confidence.device)[bins]
+        if f.shape[-1]:
+            f[..., 0] = torch.tensor(first, dtype=torch.float32, device=confidence.device)[bins[..., 0]]
+        return f
 
 
 def expected_tokens_per_row(acceptance: torch.Tensor) -> torch.Tensor:
@@ -93,33 +110,64 @@ def expected_tokens_per_row(acceptance: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class StopRule:
     """Where just-in-time drafting stops: after a token, when no row expects the next one to be worth drafting,
-    i.e. reach × f(c) < `gain` for every row (reach: Π f over the row's tokens so far, c: the latest token's
-    confidence, standing in for the next one's). `table` is f per bin (`ConfidenceCalibration.table`); `gain` the
-    expected tokens a drafted token must bring to pay for itself (the round's speed times its cost). Plain data: it
-    crosses to a worker process as `to_list` / `from_list`."""
+    i.e. reach × f_later(c) < the gain of the next token for every row (reach: Π f over the row's tokens so far, the
+    first by `table`, the others by `later`; c: the latest token's confidence, standing in for the next one's).
+    `table` and `later` are f per bin of a speculation's first token and of the ones after it
+    (`ConfidenceCalibration.tables`; `later` defaults to `table`). A token's gain is the expected tokens it must bring
+    to pay for itself (the round's speed times its cost): `gain` for drafting it, plus `extra[n - 1]` for verifying
+    it as the (n + 1)-th (the cost curve's step there; the last one past the end, none when empty). `at_least`: the
+    tokens drafted whatever the rule says (2: the second is the free sample of the next position's acceptance, see
+    `LookaheadPolicy.stop_rule`). Plain data: it crosses to a worker process as `to_list` / `from_list`."""
 
     table: tuple[float, ...]
     gain: float
-    _lookup: torch.Tensor = field(init=False, repr=False, compare=False)  # `table` as a tensor, built once
+    later: tuple[float, ...] | None = None
+    at_least: int = 1
+    extra: tuple[float, ...] = ()
+    _lookup: torch.Tensor = field(init=False, repr=False, compare=False)  # (`table`, `later`) as tensors, built once
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_lookup", torch.tensor(self.table, dtype=torch.float32))
+        if self.later is None:
+            object.__setattr__(self, "later", self.table)
+        object.__setattr__(self, "_lookup", torch.tensor([self.table, self.later], dtype=torch.float32))
 
-    def keeps_going(self, reach: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor
+    def keeps_going(self, reach: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor, drafted: int
                     ) -> tuple[bool, torch.Tensor]:
         """(whether to draft another token, the rows' reach including the latest token) given the reach before it
-        [b], the latest token's confidence [b] and the rows drafting [b] (bool)."""
-        f = self._lookup.to(confidence.device)[bin_of(confidence)]
-        reach = reach * f
-        worth = (reach * f >= self.gain) & rows
+        [b], the latest token's confidence [b], the rows drafting [b] (bool) and the tokens drafted so far (1: the
+        latest is the speculation's first)."""
+        lookup = self._lookup.to(confidence.device)
+        bins = bin_of(confidence)
+        later = lookup[LATER][bins]
+        reach = reach * (lookup[FIRST][bins] if drafted == 1 else later)
+        if drafted < self.at_least:
+            return True, reach
+        worth = (reach * later >= self.gain_after(drafted)) & rows
         return bool(worth.any()), reach
 
+    def gain_after(self, drafted: int) -> float:
+        """The gain the next token must bring after `drafted` tokens (it would be verified as the (drafted + 1)-th)."""
+        if not self.extra:
+            return self.gain
+        return self.gain + self.extra[min(drafted, len(self.extra)) - 1]
+
     def to_list(self) -> list[float]:
-        return [self.gain, *self.table]
+        """[gain, at_least, len(extra), the first token's table, the later tokens', extra]: `list_size(len(extra))`
+        numbers (a longer buffer's tail is ignored)."""
+        return [self.gain, float(self.at_least), float(len(self.extra)), *self.table, *self.later, *self.extra]
+
+    @staticmethod
+    def list_size(extra: int) -> int:
+        """The length of `to_list` with `extra` per-position gains."""
+        return 3 + 2 * (len(EDGES) + 1) + extra
 
     @classmethod
     def from_list(cls, values) -> StopRule | None:
+        """The rule `to_list` wrote (its tail past `list_size` ignored); None for gain 0."""
         values = [float(v) for v in values]
         if not values or values[0] <= 0:
             return None
-        return cls(tuple(values[1:]), values[0])
+        bins, extra = len(EDGES) + 1, int(values[2])
+        first, later = values[3:3 + bins], values[3 + bins:3 + 2 * bins]
+        return cls(tuple(first), values[0], tuple(later), int(values[1]),
+                   tuple(values[3 + 2 * bins:3 + 2 * bins + extra]))

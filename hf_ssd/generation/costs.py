@@ -69,11 +69,19 @@ class RoundCosts:
             return None
         return verify + self.serial_drafting_seconds(k) + max(self.overhead.value or 0.0, 0.0)
 
+    def serial_step(self) -> float | None:
+        """Seconds per further token of a serial speculation: as measured, never above the fixed part (a forward of
+        the committed tokens and the first one, and more). A step is measured only where a speculation runs two
+        tokens or more, so a slow first measurement (the call's first drafts) would otherwise stand for as long as
+        it keeps the speculations one token deep; the fixed part is measured every serial round."""
+        step, fixed = self.serial_token.value, self.serial_fixed.value
+        return step if step is None or fixed is None else min(step, fixed)
+
     def serial_drafting_seconds(self, n: float) -> float:
         """A serial speculation of n tokens drafted just in time: its fixed cost (the committed tokens fed with the
         first token's forward, the cache's compaction, the bookkeeping) and a step per further token, as measured;
         until then, per token as measured on average, else as a backup's or a tree step's."""
-        step = self.serial_token.value
+        step = self.serial_step()
         fixed = self.serial_fixed.value
         if step is None or fixed is None:
             per_token = step or fixed
@@ -185,6 +193,18 @@ def position_slope(times: dict[int, float]) -> float:
     points = sorted(times.items())
     slopes = [(t1 - t0) / (k1 - k0) for i, (k0, t0) in enumerate(points) for k1, t1 in points[i + 1:]]
     return max(0.0, statistics.median(slopes)) if slopes else 0.0
+
+
+def position_costs(times: dict[int, float], n: int) -> list[float]:
+    """Seconds a verification of k + 1 draft tokens takes over one of k, for k = 1..n: the curve's own step where both
+    K are timed, else the robust slope (`position_slope`). The curve need not be a line: a packed target's is flat,
+    then jumps where its kernels change (one 2-core Xeon: 1-3 positions 240-250 ms, 4 positions 450 ms); priced at
+    the average slope, a second drafted token looked as dear as the jump and speculations stayed one token deep
+    where SD's K = 2 verified three positions for the price of one."""
+    measured = {k: t for k, t in times.items() if k >= 1}
+    slope = position_slope(measured)
+    return [max(0.0, measured[k + 1] - measured[k]) if k in measured and k + 1 in measured else slope
+            for k in range(1, n + 1)]
 
 
 def _floored(times: dict[int, float], plain: float | None = None) -> dict[int, float]:

@@ -34,16 +34,21 @@ def non_decreasing(values: list[float], weights: list[float]) -> list[float]:
 
 
 class AcceptanceTracker:
-    """Per draft position j = 1..K_max+1: decayed counts of (reached, accepted). Each estimate shrinks to the run's
-    pooled acceptance (every sample at every position, no forgetting), itself shrunk to `prior`: a position not
-    reached for a while (deep ones, while plain steps or probes only measure a_1) reverts to what this pair has
-    shown, not to a fixed guess."""
+    """Per draft position j = 1..K_max+1: decayed counts of (reached, accepted). The first position's estimate shrinks
+    to the run's pooled acceptance (every sample at every position, no forgetting), itself shrunk to `prior`; the later
+    positions' to the run's acceptance at the positions after the first (`later`, no forgetting), itself shrunk to the
+    pooled acceptance. Acceptance comes in runs: a position after the first is reached only when the ones before were
+    accepted, and is accepted more often than the first (the real pair on translation prompts: a_1 0.4-0.6,
+    a_2..a_5 0.6-0.9). A position not reached for a while (deep ones, while plain steps or one-token speculations
+    only measure a_1) reverts to what this pair has shown at such positions, not to a fixed guess nor to the first
+    position's odds."""
 
     def __init__(self, positions: int, prior: float, prior_weight: float = 1.0, pooled_weight: float = 2.0):
         self.reached = [0.0] * positions
         self.passed = [0.0] * positions
         self.prior, self.prior_weight, self.pooled_weight = prior, prior_weight, pooled_weight
         self.pooled_reached = self.pooled_passed = 0.0
+        self.later_reached = self.later_passed = 0.0  # the positions after the first, no forgetting
 
     def decay(self) -> None:
         self.reached = [DECAY * r for r in self.reached]
@@ -56,14 +61,28 @@ class AcceptanceTracker:
             self.passed[position] += accepted
             self.pooled_reached += 1.0
             self.pooled_passed += accepted
+            if position > 0:
+                self.later_reached += 1.0
+                self.later_passed += accepted
 
     def pooled(self) -> float:
         w = self.pooled_weight
         return (self.pooled_passed + self.prior * w) / (self.pooled_reached + w)
 
+    def later(self) -> float:
+        """The run's acceptance at the positions after the first, shrunk to `pooled`."""
+        w = self.pooled_weight
+        return (self.later_passed + self.pooled() * w) / (self.later_reached + w)
+
+    def beyond_first(self) -> float:
+        """The recent acceptance of the positions after the first: their decayed counts pooled, shrunk to `later`."""
+        w = self.prior_weight
+        return (sum(self.passed[1:]) + self.later() * w) / (sum(self.reached[1:]) + w)
+
     def estimates(self) -> list[float]:
-        w, prior = self.prior_weight, self.pooled()
-        return [(p + prior * w) / (r + w) for p, r in zip(self.passed, self.reached)]
+        w, first, later = self.prior_weight, self.pooled(), self.later()
+        return [(p + (first if j == 0 else later) * w) / (r + w)
+                for j, (p, r) in enumerate(zip(self.passed, self.reached))]
 
 
 def memory_key(setting: tuple, rows: int, serial: bool = False) -> tuple:
@@ -90,7 +109,7 @@ class LookaheadMemory:
     def __init__(self):
         self.verify: dict[tuple, dict[int, float]] = {}
         self.samples: dict[tuple, dict[int, int]] = {}  # timings behind each remembered time
-        self.acceptance: dict[int, float] = {}
+        self.acceptance: dict[int, float] = {}  # draft key -> its pooled acceptance against this target
         self.calibration: dict[int, object] = {}  # draft key -> its `ConfidenceCalibration` against this target
         self.probe_cost: dict[tuple, float] = {}  # (draft key, setting) -> a probe's cost in plain steps
 

@@ -51,7 +51,7 @@ class JustInTimeDrafting:
             probs.append(q)
             confidences.append(confidence)
             if stop is not None and confidence is not None and i + 1 < length:
-                going, reach = stop.keeps_going(reach, confidence, missed)
+                going, reach = stop.keeps_going(reach, confidence, missed, i + 1)
                 if not going:
                     break
         stacked = torch.stack(probs, dim=1) if self.do_sample else None

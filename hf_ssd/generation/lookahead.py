@@ -44,7 +44,7 @@ import torch
 from ..ema import DecayedMean
 from .budget import FanoutBudget
 from .confidence import ConfidenceCalibration, StopRule, expected_tokens_per_row
-from .costs import CPU_SHAPE, RoundCosts, position_slope
+from .costs import CPU_SHAPE, RoundCosts, position_costs
 from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, expected_tokens
 from .modes import CONCURRENT, PLAIN, RESUME_MARGIN, SERIAL, SPECULATE_MARGIN, _best, _margin
 from .plain_steps import PlainSteps
@@ -56,6 +56,12 @@ EXPLORE_WITHIN = 0.9
 # gains from the second core what a verification beside the draft does not), and one plain step costs little.
 EXPLORE_PLAIN_WITHIN = 0.5
 RETIME_AFTER = 16  # rounds after which a close competitor's cost, not measured since, is timed again
+# Just-in-time drafting runs at least two tokens while the second position's acceptance has fewer (decayed) samples
+# than this and the first's is at least `EXPLORE_SECOND_FROM`: one-token speculations never sample a_2 (the free
+# sample needs a drafted token beyond the verified ones), so a low a_2 once measured kept them one token deep for
+# the rest of a call (translation on the real pair: 2-token rounds, all accepted, where SD's K = 4 took 5, 5, 5).
+SAMPLE_SECOND_BELOW = 0.5
+EXPLORE_SECOND_FROM = 0.5
 
 
 def _timed(by_rows: dict[int, dict[int, DecayedMean]]) -> set[int]:
@@ -339,11 +345,12 @@ class LookaheadPolicy(PlainSteps, RoundCosts):
         if any(c is None or c.shape[0] < limit for c in rows):
             return None
         confidence = torch.stack([c[:limit] for c in rows]).detach().float().cpu()  # one transfer for the batch
-        return self.calibration.acceptance(confidence, self.confidence_table())
+        return self.calibration.acceptance(confidence, self.confidence_tables())
 
-    def confidence_table(self) -> list[float]:
-        """f per confidence bin, unmeasured bins at the run's pooled acceptance (`ConfidenceCalibration.table`)."""
-        return self.calibration.table(prior=self.acceptance.pooled())
+    def confidence_tables(self) -> tuple[list[float], list[float]]:
+        """f per confidence bin of a speculation's first token and of the later ones (`ConfidenceCalibration.tables`),
+        unmeasured bins at the run's acceptance of the first position and of the ones after it."""
+        return self.calibration.tables(self.acceptance.estimates()[0], self.acceptance.beyond_first())
 
     def _seconds_now(self, k: int, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
         """R(k) of this round in the way chosen: a serial round's verification on every core, then the next
@@ -367,18 +374,28 @@ class LookaheadPolicy(PlainSteps, RoundCosts):
     def stop_rule(self) -> StopRule | None:
         """Where this round's just-in-time drafting (the serial speculation, a draft backup on a miss) stops: once no
         row expects its next token to bring the tokens its time would bring at the speed chosen (`StopRule`: gain =
-        that speed x (seconds per drafted token + one more verified position, `position_slope`)). None without a
-        calibration or before the draft's cost per token is measured: then it drafts the full length."""
+        that speed x (seconds per drafted token + what verifying it adds, the cost curve's step at its position:
+        `position_costs`)), but not before two
+        tokens while a_2 is unsampled and a_1 promising (`SAMPLE_SECOND_BELOW`). None without a calibration or before
+        the draft's cost per token is measured: then it drafts the full length."""
         if self.calibration is None or not self._rate:
             return None
-        per_token = (self.serial_token if self.serial else self.backup_token).value
+        per_token = self.serial_step() if self.serial else self.backup_token.value
         if per_token is None:
             return None
         table = self.serial_times() if self.serial else self.times()
-        gain = self._rate * (per_token + position_slope({k: t for k, t in table.items() if k >= 1}))
+        depth = max(self.serial, self.k_max)
+        extra = tuple(self._rate * seconds for seconds in position_costs(table, depth - 1))
+        gain = self._rate * per_token
         if self.trace:
-            self.trace[-1]["stop_gain"] = round(gain, 3)
-        return StopRule(tuple(self.confidence_table()), gain)
+            self.trace[-1]["stop_gain"] = [round(gain + e, 3) for e in extra] or round(gain, 3)
+        first, later = self.confidence_tables()
+        acceptance = self.acceptance
+        at_least = 2 if (acceptance.reached[1] < SAMPLE_SECOND_BELOW
+                         and acceptance.estimates()[0] >= EXPLORE_SECOND_FROM) else 1
+        if self.trace and at_least > 1:
+            self.trace[-1]["at_least"] = at_least
+        return StopRule(tuple(first), gain, tuple(later), at_least, extra)
 
     def _record(self, k: int, speeds: dict | None, why: str, serial_speeds: dict | None = None) -> None:
         entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode, "rows": self._active_rows,
@@ -397,7 +414,7 @@ class LookaheadPolicy(PlainSteps, RoundCosts):
             entry["serial_tok_s"] = {n: round(v, 2) for n, v in serial_speeds.items()}
             entry["serial_verify_ms"] = {
                 n: round(1e3 * (self.serial_verify_seconds(n, table, serial) or 0.0), 2) for n in serial_speeds}
-            entry["serial_draft_ms_per_token"] = round(1e3 * (self.serial_token.value or 0.0), 2)
+            entry["serial_draft_ms_per_token"] = round(1e3 * (self.serial_step() or 0.0), 2)
             entry["serial_draft_ms_fixed"] = round(1e3 * (self.serial_fixed.value or 0.0), 2)
         self.trace.append(entry)
 
@@ -421,11 +438,11 @@ class LookaheadPolicy(PlainSteps, RoundCosts):
             for j in range(accepted):
                 self.acceptance.add(j, 1.0)
                 if confidence is not None:
-                    self.calibration.add(confidence[j], 1.0)
+                    self.calibration.add(confidence[j], 1.0, j)
             if accepted < n:
                 self.acceptance.add(accepted, 0.0)
                 if confidence is not None:
-                    self.calibration.add(confidence[accepted], 0.0)
+                    self.calibration.add(confidence[accepted], 0.0, accepted)
                 continue
             spec = row.speculation  # everything verified was accepted: a free sample one position on
             if spec.tokens.shape[0] <= n:
@@ -441,7 +458,7 @@ class LookaheadPolicy(PlainSteps, RoundCosts):
                 sample = float(torch.minimum(probs[i], q).sum())
             self.acceptance.add(n, sample)
             if confidence is not None:
-                self.calibration.add(confidence[n], sample)
+                self.calibration.add(confidence[n], sample, n)
             if n == 0:
                 self.probing.free_sample(sample)
 

@@ -155,8 +155,9 @@ class ProcessExecutor(DraftExecutor):
         self.slot ^= 1
         slot, count = self.slot, len(keep_rows)
         self.buffers.stop_rule.zero_()
-        if stop is not None:
-            self.buffers.stop_rule.copy_(torch.tensor(stop.to_list(), dtype=torch.float64))
+        if stop is not None:  # (its per-position gains fit: at most one per further token of the longest speculation)
+            values = stop.to_list()
+            self.buffers.stop_rule[: len(values)] = torch.tensor(values, dtype=torch.float64)
         seq = self._send(wire.RESOLVE, verified, wire.BACKUPS.index(backup), count, d=serial)
         return _Pending(self, seq, lambda: self._speculations(slot, count))
 

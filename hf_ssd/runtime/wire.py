@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.speculation_cache import SOURCES
-from ..generation.confidence import EDGES
+from ..generation.confidence import StopRule
 
 # Requests: header (op, generation, a, b, c, d), some followed by one pickled payload.
 LOAD, FORGET, BEGIN, PREPARE, RESOLVE, FINISH, CLOSE, SAT_OUT = range(1, 9)
@@ -28,7 +28,6 @@ BACKUPS = ("draft", "ngram", "random")  # backup codes in a RESOLVE request
 # `RoundBuffers.stats`: the drafter's `DraftTimings` (prepare calls, seconds; backup calls, seconds; serial calls,
 # seconds, tokens; backup tokens; serial steps, their seconds) and the worker's busy seconds
 STATS = 11
-STOP_RULE_SIZE = 1 + len(EDGES) + 1  # gain, then f per confidence bin
 
 # The worker's control block, written by the parent between pipe messages and read by the worker between forwards.
 CANCELLED_GENERATION = 0  # the generation whose work must stop
@@ -82,7 +81,7 @@ class RoundBuffers:
             probs=None if vocab_size is None else on_device(2, rows, lookahead, vocab_size, dtype=torch.float32),
             confidence=host(2, rows, lookahead, dtype=torch.float32),
             meta=host(2, rows, 3), stats=host(STATS, dtype=torch.float64),
-            stop_rule=host(STOP_RULE_SIZE, dtype=torch.float64),
+            stop_rule=host(StopRule.list_size(lookahead), dtype=torch.float64),  # a gain per position
         )
 
     def fits(self, rows: int, lookahead: int, vocab_size: int | None, device: torch.device) -> bool:
