@@ -126,6 +126,10 @@ def test_stop_rule_drafts_while_the_next_token_pays():
     assert _drafted(StopRule(rising, 0.3), 4, confidence=0.3) == 1
 
 
+def test_the_scripted_split_rule_drafts_three_tokens():
+    assert _drafted(SPLIT_RULE, 8) == 3  # at least 2; then 0.36 x 0.9 >= 0.2; then 0.32 x 0.9 < 0.2 + 0.5
+
+
 def test_stop_rule_crosses_processes_as_a_list():
     rule = StopRule(tuple(float(i) / 12 for i in range(len(EDGES) + 1)), 0.25)
     assert StopRule.from_list(rule.to_list()) == rule
@@ -242,6 +246,17 @@ def test_stop_rule_prices_each_position_at_the_cost_curve_step_there():
     assert StopRule.from_list([*rule.to_list(), 0.0, 0.0]) == rule  # a longer buffer's tail ignored
 
 
+def test_stop_rule_crosses_a_jump_where_the_tokens_past_it_pay_for_it():
+    """Code on the real pair: 6 verified positions cost 33 ms more than 5, the ones after 1-13 ms each. Priced one
+    token at a time the jump stopped every speculation at 5 tokens; the tokens past it share its price, so a sure
+    draft runs on (and an unsure one still stops before the jump)."""
+    jump = (0.0, 0.0, 0.0, 0.0, 0.8) + (0.0,) * 6  # gains of the 2nd .. 12th token's verification
+    sure, unsure = (0.95,) * (len(EDGES) + 1), (0.6,) * (len(EDGES) + 1)
+    assert _drafted(StopRule(sure, 0.2, extra=jump), 12) == 12
+    assert _drafted(StopRule(sure, 0.2, extra=jump[:5]), 12) == 5  # no flat run past the jump to share it
+    assert _drafted(StopRule(unsure, 0.2, extra=jump), 12) == 3  # 0.6^3 x 0.6 < 0.2 before the jump
+
+
 def test_the_price_of_a_further_verified_position_is_a_robust_slope():
     """The slope of T_v over K as the median of pairwise slopes: one outlying end timing (a 600 ms K = 8 among
     100-160 ms) leaves it at the curve's 10 ms a position, where the end-to-end slope read 71 ms."""
@@ -255,16 +270,21 @@ def test_the_price_of_a_further_verified_position_is_a_robust_slope():
 
 # --- losslessness when speculations stop early -------------------------------------------------------------------
 
-STOP_GAINS = [GAINS[1], GAINS[2], 1e-6, GAINS[3]]  # 1, 2, all, 3 tokens
+# a rule of every kind the policy makes: one table, gain alone (1, 2, all, 3 tokens); a first token's table apart
+# from the later ones', two tokens at least and a per-position gain with a jump at the fourth position (3 tokens)
+SPLIT_RULE = StopRule((0.4,) * (len(EDGES) + 1), 0.2, (0.9,) * (len(EDGES) + 1), at_least=2, extra=(0.0, 0.0, 0.5))
+STOP_GAINS = [GAINS[1], GAINS[2], 1e-6, GAINS[3], SPLIT_RULE]
 
 
 def _script_stops(monkeypatch, gains):
-    """Just-in-time drafting stops as `gains` say, round after round (f = 0.8 for every confidence)."""
+    """Just-in-time drafting stops as `gains` say (a gain with f = 0.8 for every confidence, or a `StopRule`), round
+    after round."""
     table = (0.8,) * (len(EDGES) + 1)
     cycle = itertools.cycle(gains)
 
     def stop_rule(self):
-        return StopRule(table, next(cycle))
+        gain = next(cycle)
+        return gain if isinstance(gain, StopRule) else StopRule(table, gain)
 
     monkeypatch.setattr(LookaheadPolicy, "stop_rule", stop_rule)
 
