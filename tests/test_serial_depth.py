@@ -158,3 +158,21 @@ def test_negative_control_q_shifted_in_deep_serial_speculations(monkeypatch, law
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
     print(f"negative control p-values {pvalues}")
     assert min(pvalues.values()) < REJECT, pvalues
+
+
+def test_the_stop_rule_prices_positions_on_the_curve_the_policy_chooses_k_by():
+    """Past the deepest verification timed the stop rule's per-position gains follow the curve K is chosen by
+    (`serial_verify_seconds`: the prior shape), not the median slope of a few timed K (one jump among them made
+    every further position cost ~90 ms there, against ~20 ms on the curve)."""
+    policy = _serial_policy(serial_lookahead=10)
+    policy.serial_verify[3] = DecayedMean(0.7)
+    policy.serial_verify[3].add(0.300)  # a jump at K = 3
+    policy.choose(10, confidence=[torch.full((10,), 0.99)])
+    policy.depth(policy.trace[-1]["k"])
+    policy.serial_fixed.add(0.004)
+    rule = policy.stop_rule()
+    curve = policy._curve(policy.serial)
+    assert sorted(curve) == list(range(1, 11))
+    steps = [curve[k + 1] - curve[k] for k in range(1, 10)]
+    assert rule.extra == pytest.approx([policy._rate * max(step, 0.0) for step in steps])
+    assert curve[3] - curve[2] > 0.1 and max(steps[2:]) < 0.05  # the jump, then the prior shape's few ms

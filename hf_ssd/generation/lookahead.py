@@ -383,9 +383,8 @@ class LookaheadPolicy(PlainSteps, RoundCosts):
         per_token = self.serial_step() if self.serial else self.backup_token.value
         if per_token is None:
             return None
-        table = self.serial_times() if self.serial else self.times()
         depth = max(self.serial, self.k_max)
-        extra = tuple(self._rate * seconds for seconds in position_costs(table, depth - 1))
+        extra = tuple(self._rate * seconds for seconds in position_costs(self._curve(depth), depth - 1))
         gain = self._rate * per_token
         if self.trace:
             self.trace[-1]["stop_gain"] = [round(gain + e, 3) for e in extra] or round(gain, 3)
@@ -396,6 +395,16 @@ class LookaheadPolicy(PlainSteps, RoundCosts):
         if self.trace and at_least > 1:
             self.trace[-1]["at_least"] = at_least
         return StopRule(tuple(first), gain, tuple(later), at_least, extra)
+
+    def _curve(self, depth: int) -> dict[int, float]:
+        """T_v(k) for k = 1..depth as the policy prices K (`serial_verify_seconds` for this round's just-in-time
+        speculation, `verify_seconds` for a backup beside the target): measured where timed, along the prior shape
+        past the deepest one timed, so that the stop rule and the choice of K read one curve."""
+        table = self.times()
+        serial = self.serial_times() if self.serial else None
+        curve = {k: (self.serial_verify_seconds(k, table, serial) if self.serial else self.verify_seconds(k, table))
+                 for k in range(1, depth + 1)}
+        return {k: t for k, t in curve.items() if t is not None}
 
     def _record(self, k: int, speeds: dict | None, why: str, serial_speeds: dict | None = None) -> None:
         entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode, "rows": self._active_rows,
