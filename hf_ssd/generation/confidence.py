@@ -152,15 +152,11 @@ class StopRule:
         positions is crossed where the tokens past it pay for it (the real pair on code: 6 verified positions
         cost 33 ms more than 5, the next ones 1-13 ms each; priced one token at a time, every speculation stopped
         at 5 tokens where assisted generation's confident drafts ran 21)."""
-        steps = self.extra[min(drafted, len(self.extra)) - 1:] if self.extra else ()  # past the end: the last
-        tokens, price = torch.zeros_like(reach), 0.0
-        worth = torch.zeros_like(reach, dtype=torch.bool)
-        for h in range(max(len(steps), 1)):
-            reach = reach * f
-            tokens = tokens + reach
-            price += self.gain + (steps[h] if steps else 0.0)
-            worth |= tokens >= price
-        return worth
+        steps = self.extra[min(drafted, len(self.extra)) - 1:] if self.extra else (0.0,)  # past the end: the last
+        price = torch.tensor([self.gain + step for step in steps], dtype=reach.dtype, device=reach.device).cumsum(0)
+        powers = f[:, None] ** torch.arange(1, len(steps) + 1, dtype=f.dtype, device=f.device)  # [b, h]
+        tokens = reach[:, None] * powers.cumsum(-1)
+        return (tokens >= price).any(-1)
 
     def gain_after(self, drafted: int) -> float:
         """The gain the next token must bring after `drafted` tokens (it would be verified as the (drafted + 1)-th)."""
