@@ -152,9 +152,10 @@ class StopRule:
         positions is crossed where the tokens past it pay for it (the real pair on code: 6 verified positions
         cost 33 ms more than 5, the next ones 1-13 ms each; priced one token at a time, every speculation stopped
         at 5 tokens where assisted generation's confident drafts ran 21)."""
-        steps = self.extra[min(drafted, len(self.extra)) - 1:] if self.extra else (0.0,)  # past the end: the last
-        price = torch.tensor([self.gain + step for step in steps], dtype=reach.dtype, device=reach.device).cumsum(0)
-        powers = f[:, None] ** torch.arange(1, len(steps) + 1, dtype=f.dtype, device=f.device)  # [b, h]
+        horizon = max(len(self.extra) - drafted + 1, 1)  # up to the longest speculation `extra` covers
+        gains = [self.gain_after(drafted + h) for h in range(horizon)]
+        price = torch.tensor(gains, dtype=reach.dtype, device=reach.device).cumsum(0)
+        powers = f[:, None] ** torch.arange(1, horizon + 1, dtype=f.dtype, device=f.device)  # [b, h]
         tokens = reach[:, None] * powers.cumsum(-1)
         return (tokens >= price).any(-1)
 

@@ -1,0 +1,117 @@
+"""The lookahead policy's use of the draft's confidence (`confidence.py`): this round's K from the speculation in hand,
+and where the just-in-time drafting after it stops (`StopRule`), priced on the cost curve K is chosen by.
+
+`ConfidentRounds` is a mixin of `LookaheadPolicy`, like `RoundCosts` and `PlainSteps`: it reads the policy's
+estimates and choice (`calibration`, `acceptance`, `_confidence`, `_mode`, `_rate`, `serial`, `trace`, the cost
+tables) and keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .confidence import StopRule, expected_tokens_per_row
+from .costs import position_costs
+from .modes import SERIAL, _best
+
+# Just-in-time drafting runs at least two tokens while the second position's acceptance has fewer (decayed) samples
+# than this and the first's is at least `EXPLORE_SECOND_FROM`: one-token speculations never sample a_2 (the free
+# sample needs a drafted token beyond the verified ones), so a low a_2 once measured kept them one token deep for
+# the rest of a call (translation on the real pair: 2-token rounds, all accepted, where SD's K = 4 took 5, 5, 5).
+SAMPLE_SECOND_BELOW = 0.5
+EXPLORE_SECOND_FROM = 0.5
+
+
+class ConfidentRounds:
+    """This round's K from its tokens' calibrated acceptance, and the stop rule of its just-in-time drafting (see the
+    module docstring)."""
+
+    def _confident(self, best: int, limit: int, within: dict[int, float], margin: float, table: dict[int, float],
+                   serial_table: dict[int, float]) -> int:
+        """This round's K from the speculation in hand: E(K) from its tokens' calibrated acceptance f(c) (per row,
+        averaged over the batch's rows) over the round's time at K in the way chosen; `best` without confidences.
+        K = 0 costs what it costs in that way: beside the working draft (no cheaper than verifying one token
+        there) in a concurrent round, a plain step followed by the next speculation's drafting in a serial one."""
+        acceptance = self._round_acceptance(limit)
+        if acceptance is None:
+            return best
+        expected = expected_tokens_per_row(acceptance).mean(dim=0).tolist()
+        speeds = {}
+        for k in range(0 if 0 in within else 1, limit + 1):
+            seconds = self._seconds_now(k, table, serial_table)
+            if seconds is not None and seconds > 0:
+                speeds[k] = expected[k] / seconds
+        if not any(k > 0 for k in speeds):
+            return best
+        self._confident_speeds = speeds
+        return _best(speeds, margin)
+
+    def _round_acceptance(self, limit: int) -> torch.Tensor | None:
+        """f(c) of the first `limit` tokens of every active row's speculation [rows, limit]; None when the policy does
+        not condition on confidence or some row's are unknown (an n-gram or random backup's)."""
+        rows = self._confidence
+        if self.calibration is None or limit < 1 or not rows:
+            return None
+        if any(c is None or c.shape[0] < limit for c in rows):
+            return None
+        confidence = torch.stack([c[:limit] for c in rows]).detach().float().cpu()  # one transfer for the batch
+        return self.calibration.acceptance(confidence, self.confidence_tables())
+
+    def confidence_tables(self) -> tuple[list[float], list[float]]:
+        """f per confidence bin of a speculation's first token and of the later ones (`ConfidenceCalibration.tables`),
+        unmeasured bins at the run's acceptance of the first position and of the ones after it."""
+        return self.calibration.tables(self.acceptance.estimates()[0], self.acceptance.beyond_first())
+
+    def _seconds_now(self, k: int, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
+        """R(k) of this round in the way chosen: a serial round's verification on every core, then the next
+        speculation drafted (as long as serial rounds have drafted lately), else `round_seconds` (K = 0 as K = 1:
+        the target's step beside the draft)."""
+        if self._mode != SERIAL:
+            return self.round_seconds(max(k, 1), table)
+        verify = self.verify_seconds(0, table) if k == 0 else self.serial_verify_seconds(k, table, serial_table)
+        if verify is None:
+            return None
+        drafted = self.serial_length.value if self.serial_length.value is not None else self.k_max
+        return verify + self.serial_drafting_seconds(drafted) + max(self.overhead.value or 0.0, 0.0)
+
+    def just_in_time(self) -> tuple[int, StopRule | None]:
+        """(tokens the draft drafts just in time after this verification, where it stops early): a serial round's
+        speculation runs up to `k_serial` deep under the stop rule, at most K_max without one (the draft's cost per
+        token not measured yet); (0, rule) otherwise (the rule then bounds a draft backup on a miss)."""
+        stop = self.stop_rule()
+        return (self.serial if stop is not None else min(self.serial, self.k_max)), stop
+
+    def stop_rule(self) -> StopRule | None:
+        """Where this round's just-in-time drafting (the serial speculation, a draft backup on a miss) stops: once no
+        row expects its next token to bring the tokens its time would bring at the speed chosen (`StopRule`: gain =
+        that speed x (seconds per drafted token + what verifying it adds, the cost curve's step at its position:
+        `position_costs`)), but not before two tokens while a_2 is unsampled and a_1 promising
+        (`SAMPLE_SECOND_BELOW`). None without a calibration or before the draft's cost per token is measured: then it
+        drafts the full length."""
+        if self.calibration is None or not self._rate:
+            return None
+        per_token = self.serial_step() if self.serial else self.backup_token.value
+        if per_token is None:
+            return None
+        depth = max(self.serial, self.k_max)
+        extra = tuple(self._rate * seconds for seconds in position_costs(self._curve(depth), depth - 1))
+        gain = self._rate * per_token
+        if self.trace:
+            self.trace[-1]["stop_gain"] = [round(gain + e, 3) for e in extra] or round(gain, 3)
+        first, later = self.confidence_tables()
+        acceptance = self.acceptance
+        at_least = 2 if (acceptance.reached[1] < SAMPLE_SECOND_BELOW
+                         and acceptance.estimates()[0] >= EXPLORE_SECOND_FROM) else 1
+        if self.trace and at_least > 1:
+            self.trace[-1]["at_least"] = at_least
+        return StopRule(tuple(first), gain, tuple(later), at_least, extra)
+
+    def _curve(self, depth: int) -> dict[int, float]:
+        """T_v(k) for k = 1..depth as the policy prices K (`serial_verify_seconds` for this round's just-in-time
+        speculation, `verify_seconds` for a backup beside the target): measured where timed, along the prior shape
+        past the deepest one timed, so that the stop rule and the choice of K read one curve."""
+        table = self.times()
+        serial = self.serial_times() if self.serial else None
+        curve = {k: (self.serial_verify_seconds(k, table, serial) if self.serial else self.verify_seconds(k, table))
+                 for k in range(1, depth + 1)}
+        return {k: t for k, t in curve.items() if t is not None}
