@@ -84,6 +84,27 @@ def test_the_first_token_and_the_later_ones_are_calibrated_apart():
     assert first == pytest.approx([0.3] * (len(EDGES) + 1)) and later == pytest.approx([0.8] * (len(EDGES) + 1))
 
 
+def test_an_unmeasured_later_token_is_taken_at_least_as_often_as_a_first_one():
+    """Later tokens are reached only when the ones before are accepted: early in a run their table rests on a few
+    samples. Their prior at a bin is the higher of the run's later-position acceptance and the first token's f
+    there, so two early rejections do not make a confident later token look hopeless."""
+    cal = ConfidenceCalibration()
+    for _ in range(30):  # first tokens: confident ones accepted, hesitant ones not
+        cal.add(0.99, 1.0, position=0)
+        cal.add(0.15, 0.0, position=0)
+    cal.add(0.55, 0.0, position=1)  # two later tokens, both rejected
+    cal.add(0.55, 0.0, position=1)
+    first, later = cal.tables(first=0.5, later=0.08)
+    sure, hesitant = int(bin_of(torch.tensor([0.99]))[0]), int(bin_of(torch.tensor([0.15]))[0])
+    assert later[sure] == pytest.approx(first[sure]) and later[sure] > 0.9
+    assert later[hesitant] == pytest.approx(0.08, abs=0.02)  # the run's later rate where it is the higher
+    assert later[int(bin_of(torch.tensor([0.55]))[0])] < first[int(bin_of(torch.tensor([0.55]))[0])]  # measured
+    assert later == sorted(later)
+    # where the run's later positions do better than first tokens, its rate stands
+    first, later = ConfidenceCalibration().tables(first=0.3, later=0.8)
+    assert later == pytest.approx([0.8] * (len(EDGES) + 1))
+
+
 def test_stop_rule_prices_the_first_token_and_the_later_ones_apart():
     """A hesitant first position (f 0.4) with sure later ones (f 0.9), gain 0.2: reach after the first token is
     0.4 and each next one is worth reach x 0.9 (0.36, 0.32, 0.29, 0.26, 0.24, 0.21, then 0.19): seven tokens; one

@@ -291,8 +291,9 @@ def test_a_slow_first_step_does_not_keep_serial_speculations_short(clock):
 
 def test_one_token_speculations_still_sample_the_second_position():
     """A serial speculation's second token is the free sample of a_2 (when the first is accepted); one-token
-    speculations never give it. While a_2 has under half a (decayed) sample and a_1 is promising, just-in-time
-    drafting runs at least two tokens; once sampled, or where a_1 is poor, the stop rule alone decides."""
+    speculations never give it. While a_1 x a_2's upper bound makes a second token worth its gain, just-in-time
+    drafting runs at least two tokens: two early rejections do not stop it, a_2 rejected round after round does, the
+    exploration returns once those samples have decayed, and never happens where a_1 is poor."""
     policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE,
                              serial=True, confidence=True)
     policy.serial, policy._rate = 4, 5.0
@@ -300,13 +301,25 @@ def test_one_token_speculations_still_sample_the_second_position():
     policy.serial_fixed.add(0.05)
     policy.trace.append({"k": 1})
     assert policy.stop_rule().at_least == 2 and policy.trace[-1]["at_least"] == 2
-    policy.acceptance.add(1, 1.0)  # a_2 sampled
+    tracker = policy.acceptance
+
+    def round_(first: float, second: float | None) -> None:
+        tracker.decay()
+        tracker.add(0, first)
+        if second is not None:
+            tracker.add(1, second)
+
+    for _ in range(2):  # two early rejections of the second token: still worth exploring
+        round_(1.0, 0.0)
+    assert tracker.estimates()[1] < 0.2 and policy.stop_rule().at_least == 2
+    for _ in range(30):  # rejected round after round: the bound narrows below the gain
+        round_(1.0 if _ % 2 else 0.0, 0.0)
     assert policy.stop_rule().at_least == 1
-    for _ in range(5):  # ... five rounds ago
-        policy.acceptance.decay()
+    for _ in range(12):  # one-token rounds since: the samples decay, the second token is tried again
+        round_(1.0 if _ % 2 else 0.0, None)
     assert policy.stop_rule().at_least == 2
-    for _ in range(20):  # a poor first position: a second token would rarely be reached
-        policy.acceptance.add(0, 0.0)
+    for _ in range(40):  # a poor first position: a second token would rarely be reached
+        round_(0.0, None)
     assert policy.stop_rule().at_least == 1
 
 
@@ -956,6 +969,37 @@ def test_a_plain_step_is_guessed_from_a_serial_verification(clock):
     policy.serial_verify[1] = DecayedMean(0.5)
     policy.serial_verify[1].add(0.48)
     assert policy.verify_seconds(0) == pytest.approx(0.48 / policy.shape(1))
+
+
+def test_a_verification_beside_the_draft_costs_at_least_its_serial_timing(clock):
+    """An unmeasured verification beside the working draft is priced no cheaper than the same one timed on every
+    core with the draft idle, and, its cost then a bound rather than a guess, is tried only where it might be best. A
+    useless draft's first call on 2 cores otherwise tried K = 1 beside the draft after its serial K = 1 (298 ms, the
+    plain step 275): one target thread took 527 ms."""
+    def policy_at(acceptance: float):
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=acceptance, concurrent=True,
+                                 cost_shape=FLAT_SHAPE, serial=True)
+        _measured(policy, {0: 0.275})
+        policy.serial_verify[1] = DecayedMean(0.5)
+        policy.serial_verify[1].add(0.298)
+        policy.serial_verify[4] = DecayedMean(0.5)
+        policy.serial_verify[4].add(0.305)
+        policy.serial_token.add(0.04)
+        policy.serial_fixed.add(0.05)
+        policy._rounds = 3
+        policy.acceptance.reached = [10.0] * 5
+        policy.acceptance.passed = [10.0 * acceptance] * 5
+        return policy
+
+    useless = policy_at(0.02)
+    table, serial = useless.times(), useless.serial_times()
+    assert useless.verify_seconds(1, table) < 0.298  # the guess alone: as cheap as the plain step
+    assert useless.round_seconds(1, table, serial) >= 0.298
+    assert useless.round_seconds(1, table) < 0.298  # (without the serial timings: the guess)
+    assert useless.choose(4) == 0 and useless.trace[-1]["why"] == "best"
+    # a good draft: the verification beside it might still be best (the draft's work hidden), so it is tried
+    good = policy_at(0.9)
+    assert good.choose(4) >= 1 and good.trace[-1]["why"] == "explore" and good.trace[-1]["mode"] == "concurrent"
 
 
 def test_a_plain_step_in_a_batch_is_tried_when_it_might_win(clock):

@@ -8,19 +8,20 @@ tables) and keeps no state of its own.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .confidence import StopRule, expected_tokens_per_row
 from .costs import position_costs
 from .modes import SERIAL, _best
 
-# Just-in-time drafting runs at least two tokens while the second position's acceptance has fewer (decayed) samples
-# than this and the first's is at least `EXPLORE_SECOND_FROM`: one-token speculations never sample a_2 (the free
-# sample needs a drafted token beyond the verified ones), so a low a_2 once measured kept them one token deep for
-# the rest of a call (translation on the real pair: 2-token rounds, all accepted, where SD's K = 4 took 5, 5, 5).
-SAMPLE_SECOND_BELOW = 0.5
-EXPLORE_SECOND_FROM = 0.5
-
+# Just-in-time drafting runs at least two tokens while the second position's acceptance, taken at its upper bound
+# (`AcceptanceTracker.optimistic`), would make a second token pay: one-token speculations never sample a_2 (the free
+# sample needs a drafted token beyond the verified ones), so two early rejections at the second position kept every
+# later speculation one token deep (translation on the real pair: 8 one-token rounds where SD's K = 4 took 3, 2, 2
+# and assisted generation's default 15). The bound narrows as a_2 is sampled: a draft whose second tokens are rejected
+# round after round stops being explored, and is tried again once those samples have decayed.
 
 class ConfidentRounds:
     """This round's K from its tokens' calibrated acceptance, and the stop rule of its just-in-time drafting (see the
@@ -67,7 +68,7 @@ class ConfidentRounds:
         speculation drafted (as long as serial rounds have drafted lately), else `round_seconds` (K = 0 as K = 1:
         the target's step beside the draft)."""
         if self._mode != SERIAL:
-            return self.round_seconds(max(k, 1), table)
+            return self.round_seconds(max(k, 1), table, serial_table)
         verify = self.verify_seconds(0, table) if k == 0 else self.serial_verify_seconds(k, table, serial_table)
         if verify is None:
             return None
@@ -85,9 +86,9 @@ class ConfidentRounds:
         """Where this round's just-in-time drafting (the serial speculation, a draft backup on a miss) stops: once no
         row expects its next token to bring the tokens its time would bring at the speed chosen (`StopRule`: gain =
         that speed x (seconds per drafted token + what verifying it adds, the cost curve's step at its position:
-        `position_costs`)), but not before two tokens while a_2 is unsampled and a_1 promising
-        (`SAMPLE_SECOND_BELOW`). None without a calibration or before the draft's cost per token is measured: then it
-        drafts the full length."""
+        `position_costs`)), but not before two tokens while a_2 is uncertain enough that a second token might pay
+        (a_1 x a_2's upper bound >= its gain: the module's comment). None without a calibration or before the
+        draft's cost per token is measured: then it drafts the full length."""
         if self.calibration is None or not self._rate:
             return None
         per_token = self.serial_step() if self.serial else self.backup_token.value
@@ -99,12 +100,15 @@ class ConfidentRounds:
         if self.trace:
             self.trace[-1]["stop_gain"] = [round(gain + e, 3) for e in extra] or round(gain, 3)
         first, later = self.confidence_tables()
+        if self.trace:
+            self.trace[-1]["stop_tables"] = [[round(f, 3) for f in first], [round(f, 3) for f in later]]
+        rule = StopRule(tuple(first), gain, tuple(later), 1, extra)
         acceptance = self.acceptance
-        at_least = 2 if (acceptance.reached[1] < SAMPLE_SECOND_BELOW
-                         and acceptance.estimates()[0] >= EXPLORE_SECOND_FROM) else 1
-        if self.trace and at_least > 1:
-            self.trace[-1]["at_least"] = at_least
-        return StopRule(tuple(first), gain, tuple(later), at_least, extra)
+        if len(acceptance.reached) > 1 and acceptance.estimates()[0] * acceptance.optimistic(1) >= rule.gain_after(1):
+            rule = replace(rule, at_least=2)
+            if self.trace:
+                self.trace[-1]["at_least"] = 2
+        return rule
 
     def _curve(self, depth: int) -> dict[int, float]:
         """T_v(k) for k = 1..depth as the policy prices K (`serial_verify_seconds` for this round's just-in-time

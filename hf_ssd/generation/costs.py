@@ -167,18 +167,35 @@ class RoundCosts:
         extra position; from `knee` positions on at least in proportion to positions (compute-bound)."""
         return 1.0 if n <= 1 else max(self.jump + self.slope * (n - 2), n / self.knee)
 
-    def round_seconds(self, k: int, measured: dict[int, float] | None = None) -> float | None:
+    def round_seconds(self, k: int, measured: dict[int, float] | None = None,
+                      serial: dict[int, float] | None = None) -> float | None:
         """R(k): the verification, beside (or after) the draft's round, the loop's overhead and the expected backup
-        time of a miss; a plain step has neither draft work nor lookups (the draft pauses when plain steps win)."""
+        time of a miss; a plain step has neither draft work nor lookups (the draft pauses when plain steps win).
+        An unmeasured verification beside the draft costs at least the same one measured with the draft idle on
+        every core (`serial`, `concurrent_floor`)."""
         verify = self.verify_seconds(k, measured)
         if verify is None:
             return None
+        floor = self.concurrent_floor(k, self.times() if measured is None else measured, serial)
+        if floor is not None:
+            verify = max(verify, floor)
         if k == 0:
             return verify + max(self.overhead.value or 0.0, 0.0)
         draft = self.draft_seconds()
         body = max(verify, draft) if self.concurrent else verify + draft
         miss = (1 - (self.hit_rate.value if self.hit_rate.value is not None else 1.0)) * (self.backup.value or 0.0)
         return body + max(self.overhead.value or 0.0, 0.0) + miss
+
+    @staticmethod
+    def concurrent_floor(k: int, measured: dict[int, float], serial: dict[int, float] | None) -> float | None:
+        """A lower bound of an unmeasured verification of k >= 1 tokens beside the working draft: a serial round's
+        (on every core, the draft idle) of k tokens or fewer, which it can only match with the draft competing for
+        the machine (on 2 cores one target thread took 527 ms where two took 275); None where none is timed or k is
+        measured."""
+        below = [t for n, t in (serial or {}).items() if 1 <= n <= k]
+        if k < 1 or k in measured or not below:
+            return None
+        return max(below)
 
     def draft_seconds(self) -> float:
         """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""

@@ -10,6 +10,8 @@ import weakref
 DECAY = 0.85  # per round that brings samples: half the weight of a sample after ~4 of them
 REMEMBER_AFTER = 2  # timings of a K before `LookaheadMemory` serves its time to later calls
 COST_DECAY = 0.7  # for times (the context grows: recent rounds weigh most)
+# Width of `AcceptanceTracker.optimistic`: Hoeffding's bound at 75 % (ln 4 / 2) over a position's decayed samples.
+OPTIMISM = 0.69
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -83,6 +85,13 @@ class AcceptanceTracker:
         w, first, later = self.prior_weight, self.pooled(), self.later()
         return [(p + (first if j == 0 else later) * w) / (r + w)
                 for j, (p, r) in enumerate(zip(self.passed, self.reached))]
+
+    def optimistic(self, position: int) -> float:
+        """An upper bound of the position's acceptance: its estimate plus Hoeffding's width over its decayed samples
+        (`OPTIMISM`). Wide while the position is rarely reached (two rejections measured early, then decayed, say
+        little), narrow once sampled round after round."""
+        width = (OPTIMISM / (self.reached[position] + self.prior_weight)) ** 0.5
+        return min(1.0, self.estimates()[position] + width)
 
 
 def memory_key(setting: tuple, rows: int, serial: bool = False) -> tuple:

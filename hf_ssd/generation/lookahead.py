@@ -218,9 +218,10 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             return limit
         acceptance = self.acceptance.estimates()
         table = self.times()  # once per decision: every K's cost derives from it
+        serial_table = self.serial_times() if self.serial_option else {}
         speeds = {}
         for k in range(self.k_max + 1):
-            seconds = self.round_seconds(k, table)
+            seconds = self.round_seconds(k, table, serial_table)
             if seconds is not None and seconds > 0:
                 speeds[k] = expected_tokens(acceptance, k) / seconds
         if self._rounds == 0:  # the first round holds the prefill and its speculation is the first sample: K_max
@@ -235,7 +236,6 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             self._mode = CONCURRENT if self._wanted else PLAIN
             self._record(choice, speeds, "prior shape")
             return choice
-        serial_table = self.serial_times() if self.serial_option else {}
         serial_speeds = {}
         for k in range(1, self.serial_depth + 1) if self.serial_option else ():
             seconds = self.serial_round_seconds(k, table, serial_table)
@@ -289,6 +289,8 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
 
             def close(k: int, v: float) -> bool:
                 plain_in_batch = k == 0 and mode == CONCURRENT and self._active_rows > 1 and k not in known
+                if mode == CONCURRENT and self.concurrent_floor(k, known, serial_table) is not None:
+                    return v >= top  # its cost a bound, not a guess: tried only where it might be best
                 return v >= (EXPLORE_PLAIN_WITHIN if plain_in_batch else EXPLORE_WITHIN) * top
 
             # (past K_max a serial K is not explored: it is chosen from the draft's confidence, then timed)

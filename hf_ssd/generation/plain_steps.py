@@ -35,7 +35,7 @@ class PlainSteps:
         acceptance = self.acceptance.estimates()
         table, serial_table = self.times(), self.serial_times() if self.serial_option else {}
         speeds = {k: expected_tokens(acceptance, k) / seconds for k in range(self.k_max + 1)
-                  if (seconds := self.round_seconds(k, table))}
+                  if (seconds := self.round_seconds(k, table, serial_table))}
         serial_speeds = {k: expected_tokens(acceptance, k) / seconds for k in range(1, self.k_max + 1)
                          if self.serial_option and (seconds := self.serial_round_seconds(k, table, serial_table))}
         best = max([v for k, v in speeds.items() if k] + list(serial_speeds.values()), default=None)
