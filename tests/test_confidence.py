@@ -16,6 +16,7 @@ from hf_ssd import SSDConfig, enable_ssd
 from hf_ssd.ema import DecayedMean
 from hf_ssd.generation.confidence import (
     EDGES,
+    NEXT,
     ConfidenceCalibration,
     StopRule,
     bin_of,
@@ -147,6 +148,33 @@ def test_stop_rule_drafts_while_the_next_token_pays():
     assert _drafted(StopRule(rising, 0.3), 4, confidence=0.3) == 1
 
 
+def test_the_next_token_is_priced_by_what_follows_a_token_of_that_confidence():
+    """The rule decides whether to draft a token before its confidence is known: it reads the acceptance of a token
+    after one of the latest token's confidence (`next`), learnt apart from a token's own (`later`). Hesitant tokens
+    followed by sure, accepted ones (a word's first piece, then the rest): `later` at a hesitant bin says under 0.4,
+    `next` over 0.8, and the speculation goes on past a hesitant token."""
+    hesitant, sure = 0.45, 0.99
+    cal = ConfidenceCalibration()
+    for _ in range(30):
+        cal.add(hesitant, 0.0, position=1, previous=0.05)  # hesitant later tokens rejected ...
+        cal.add(sure, 1.0, position=2, previous=hesitant)  # ... the sure ones after a hesitant token accepted
+    first, later = cal.tables(first=0.5, later=0.5)
+    after = cal.next_table(later)
+    b = int(bin_of(torch.tensor([hesitant]))[0])
+    assert later[b] < 0.4 and after[b] > 0.8  # (pooled with the unmeasured bins above it: non-decreasing)
+    # bins without a sample after them stand at the `LATER` table: as if the next token were as sure as this one
+    low = int(bin_of(torch.tensor([0.25]))[0])
+    assert after[low] == pytest.approx(later[low])
+    # a hesitant first token: the one after it is drafted (f_next 0.82, where its own bin's f_later says 0.12); that
+    # one hesitant too (every token at 0.45 here), the rule stops there
+    assert _drafted(StopRule(tuple(first), 0.2, tuple(later), 1, (), tuple(after)), 6, confidence=hesitant) == 2
+    assert _drafted(StopRule(tuple(first), 0.2, tuple(later)), 6, confidence=hesitant) == 1
+    # the first sample of a speculation has no token before it: `FIRST` only
+    fresh = ConfidenceCalibration()
+    fresh.add(sure, 1.0, position=0, previous=hesitant)
+    assert fresh.reached[NEXT] == [0.0] * (len(EDGES) + 1)
+
+
 def test_the_scripted_split_rule_drafts_three_tokens():
     assert _drafted(SPLIT_RULE, 8) == 3  # at least 2; then 0.36 x 0.9 >= 0.2; then 0.32 x 0.9 < 0.2 + 0.5
 
@@ -158,6 +186,8 @@ def test_stop_rule_crosses_processes_as_a_list():
     assert StopRule.from_list(split.to_list()) == split and split != rule
     sampling = StopRule(rule.table, 0.25, at_least=2)
     assert StopRule.from_list(sampling.to_list()) == sampling
+    after = StopRule(rule.table, 0.25, split.later, 2, (0.1, 0.2), tuple(0.9 for _ in range(len(EDGES) + 1)))
+    assert StopRule.from_list(after.to_list()) == after and after.next != after.later
     assert StopRule.from_list([0.0] * (len(EDGES) + 2)) is None  # gain 0: no rule
 
 

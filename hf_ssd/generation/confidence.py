@@ -16,9 +16,11 @@ four accepted. The lookahead policy uses f twice:
   average acceptance per position; a speculation whose draft hesitated at its second token is verified one token
   deep, one it was sure of all the way through;
 * how far the draft drafts just in time (a serial round's speculation, a backup's on a miss): token after token
-  while the expected gain of the next one, reach × f(c) (reach: the chance every earlier token is accepted), is
-  worth its cost (`StopRule`), as transformers' `assistant_confidence_threshold` stops its assistant, but with the
-  threshold learnt and priced rather than fixed.
+  while the expected gain of the next one, reach × f_next(c) (reach: the chance every earlier token is accepted;
+  f_next(c): how often a token after one of confidence c is accepted, the `NEXT` table, learnt from every later
+  token's sample by its predecessor's confidence, since the next token's own confidence is known only once it is
+  drafted), is worth its cost (`StopRule`), as transformers' `assistant_confidence_threshold` stops its assistant,
+  but with the threshold learnt and priced rather than fixed.
 
 Which tokens get verified and how many get drafted depend only on the draft's side (its tokens and their
 probabilities), never on the target's draws: verification stays exact, whatever is chosen.
@@ -38,6 +40,7 @@ EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 DECAY = 0.98  # per round that brings samples: the pair's calibration moves slowly with the text
 PRIOR_WEIGHT = 2.0  # samples' worth of the prior f(c) = c (each bin's midpoint)
 FIRST, LATER = 0, 1  # a speculation's first token; a token after drafted ones (reached only when they were accepted)
+NEXT = 2  # a token after drafted ones, by the confidence of the token before it (what drafting it is decided on)
 
 
 def bin_of(confidence: torch.Tensor) -> torch.Tensor:
@@ -58,8 +61,8 @@ class ConfidenceCalibration:
     def __init__(self, decay: float = DECAY, prior_weight: float = PRIOR_WEIGHT):
         self.decay, self.prior_weight = decay, prior_weight
         self.prior = _midpoints()
-        self.reached = [[0.0] * len(self.prior) for _ in (FIRST, LATER)]
-        self.passed = [[0.0] * len(self.prior) for _ in (FIRST, LATER)]
+        self.reached = [[0.0] * len(self.prior) for _ in (FIRST, LATER, NEXT)]
+        self.passed = [[0.0] * len(self.prior) for _ in (FIRST, LATER, NEXT)]
         self.samples = 0
 
     def forget(self) -> None:
@@ -67,12 +70,17 @@ class ConfidenceCalibration:
         self.reached = [[self.decay * r for r in counts] for counts in self.reached]
         self.passed = [[self.decay * p for p in counts] for counts in self.passed]
 
-    def add(self, confidence: float, accepted: float, position: int = 0) -> None:
+    def add(self, confidence: float, accepted: float, position: int = 0, previous: float | None = None) -> None:
         """One sample: the token at `position` of its speculation (0: the first), of that confidence, was accepted
-        (1), rejected (0), or accepted with that probability (a free sample under sampling)."""
+        (1), rejected (0), or accepted with that probability (a free sample under sampling); `previous`, the
+        confidence of the token before it (a later token's), is the sample's bin in the `NEXT` table."""
         kind, b = min(position, LATER), bisect.bisect_right(EDGES, confidence)
         self.reached[kind][b] += 1.0
         self.passed[kind][b] += accepted
+        if position > 0 and previous is not None:
+            b = bisect.bisect_right(EDGES, previous)
+            self.reached[NEXT][b] += 1.0
+            self.passed[NEXT][b] += accepted
         self.samples += 1
 
     def table(self, prior: float | list[float] | None = None, kind: int = FIRST) -> list[float]:
@@ -101,6 +109,12 @@ class ConfidenceCalibration:
             return first_table, self.table(None, LATER)
         return first_table, self.table([max(f, later) for f in first_table], LATER)
 
+    def next_table(self, later: list[float]) -> list[float]:
+        """f of the token after one of confidence c (a later token's acceptance by its predecessor's confidence, the
+        only one known when deciding whether to draft it), per bin, shrunk to `later` (the `LATER` table: as if the
+        next token were as sure as this one, which is what the stop rule assumed before measuring it)."""
+        return self.table(later, NEXT)
+
     def acceptance(self, confidence: torch.Tensor, tables: tuple[list[float], list[float]] | None = None
                    ) -> torch.Tensor:
         """f(c) for a tensor of confidences [..., n] (float32, same shape) of speculations' tokens in order: the
@@ -122,10 +136,12 @@ def expected_tokens_per_row(acceptance: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class StopRule:
     """Where just-in-time drafting stops: after a token, when no row expects the next one to be worth drafting,
-    i.e. reach × f_later(c) < the gain of the next token for every row (reach: Π f over the row's tokens so far, the
-    first by `table`, the others by `later`; c: the latest token's confidence, standing in for the next one's).
-    `table` and `later` are f per bin of a speculation's first token and of the ones after it
-    (`ConfidenceCalibration.tables`; `later` defaults to `table`). A token's gain is the expected tokens it must bring
+    i.e. reach × f_next(c) < the gain of the next token for every row (reach: Π f over the row's tokens so far, the
+    first by `table`, the others by `later`; c: the latest token's confidence, f_next(c) the acceptance of a token
+    after one of that confidence). `table` and `later` are f per bin of a speculation's first token and of the ones
+    after it (`ConfidenceCalibration.tables`; `later` defaults to `table`), `next` f of the token after one of
+    confidence c (`ConfidenceCalibration.next_table`; defaults to `later`: the latest token's confidence standing in
+    for the next one's). A token's gain is the expected tokens it must bring
     to pay for itself (the round's speed times its cost): `gain` for drafting it, plus `extra[n - 1]` for verifying
     it as the (n + 1)-th (the cost curve's step there; the last one past the end, none when empty); the next token is
     drafted when some run of further tokens pays for itself as a whole (`_worth`: past a jump in the curve, the
@@ -138,12 +154,15 @@ class StopRule:
     later: tuple[float, ...] | None = None
     at_least: int = 1
     extra: tuple[float, ...] = ()
-    _lookup: torch.Tensor = field(init=False, repr=False, compare=False)  # (`table`, `later`) as tensors, built once
+    next: tuple[float, ...] | None = None
+    _lookup: torch.Tensor = field(init=False, repr=False, compare=False)  # the three tables as tensors, built once
 
     def __post_init__(self) -> None:
         if self.later is None:
             object.__setattr__(self, "later", self.table)
-        object.__setattr__(self, "_lookup", torch.tensor([self.table, self.later], dtype=torch.float32))
+        if self.next is None:
+            object.__setattr__(self, "next", self.later)
+        object.__setattr__(self, "_lookup", torch.tensor([self.table, self.later, self.next], dtype=torch.float32))
 
     def keeps_going(self, reach: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor, drafted: int
                     ) -> tuple[bool, torch.Tensor]:
@@ -152,11 +171,10 @@ class StopRule:
         latest is the speculation's first)."""
         lookup = self._lookup.to(confidence.device)
         bins = bin_of(confidence)
-        later = lookup[LATER][bins]
-        reach = reach * (lookup[FIRST][bins] if drafted == 1 else later)
+        reach = reach * lookup[FIRST if drafted == 1 else LATER][bins]
         if drafted < self.at_least:
             return True, reach
-        return bool((self._worth(reach, later, drafted) & rows).any()), reach
+        return bool((self._worth(reach, lookup[NEXT][bins], drafted) & rows).any()), reach
 
     def _worth(self, reach: torch.Tensor, f: torch.Tensor, drafted: int) -> torch.Tensor:
         """Per row: whether drafting some h >= 1 more tokens (up to the longest speculation `extra` covers) is
@@ -178,14 +196,15 @@ class StopRule:
         return self.gain + self.extra[min(drafted, len(self.extra)) - 1]
 
     def to_list(self) -> list[float]:
-        """[gain, at_least, len(extra), the first token's table, the later tokens', extra]: `list_size(len(extra))`
-        numbers (a longer buffer's tail is ignored)."""
-        return [self.gain, float(self.at_least), float(len(self.extra)), *self.table, *self.later, *self.extra]
+        """[gain, at_least, len(extra), the first token's table, the later tokens', the next token's, extra]:
+        `list_size(len(extra))` numbers (a longer buffer's tail is ignored)."""
+        return [self.gain, float(self.at_least), float(len(self.extra)), *self.table, *self.later, *self.next,
+                *self.extra]
 
     @staticmethod
     def list_size(extra: int) -> int:
         """The length of `to_list` with `extra` per-position gains."""
-        return 3 + 2 * (len(EDGES) + 1) + extra
+        return 3 + 3 * (len(EDGES) + 1) + extra
 
     @classmethod
     def from_list(cls, values) -> StopRule | None:
@@ -194,6 +213,5 @@ class StopRule:
         if not values or values[0] <= 0:
             return None
         bins, extra = len(EDGES) + 1, int(values[2])
-        first, later = values[3:3 + bins], values[3 + bins:3 + 2 * bins]
-        return cls(tuple(first), values[0], tuple(later), int(values[1]),
-                   tuple(values[3 + 2 * bins:3 + 2 * bins + extra]))
+        first, later, after = (tuple(values[3 + i * bins:3 + (i + 1) * bins]) for i in range(3))
+        return cls(first, values[0], later, int(values[1]), tuple(values[3 + 3 * bins:3 + 3 * bins + extra]), after)

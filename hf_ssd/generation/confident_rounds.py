@@ -100,9 +100,10 @@ class ConfidentRounds:
         if self.trace:
             self.trace[-1]["stop_gain"] = [round(gain + e, 3) for e in extra] or round(gain, 3)
         first, later = self.confidence_tables()
+        after = self.calibration.next_table(later)
         if self.trace:
-            self.trace[-1]["stop_tables"] = [[round(f, 3) for f in first], [round(f, 3) for f in later]]
-        rule = StopRule(tuple(first), gain, tuple(later), 1, extra)
+            self.trace[-1]["stop_tables"] = [[round(f, 3) for f in table] for table in (first, later, after)]
+        rule = StopRule(tuple(first), gain, tuple(later), 1, extra, tuple(after))
         acceptance = self.acceptance
         if len(acceptance.reached) > 1 and acceptance.estimates()[0] * acceptance.optimistic(1) >= rule.gain_after(1):
             rule = replace(rule, at_least=2)
