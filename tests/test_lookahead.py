@@ -971,6 +971,29 @@ def test_a_plain_step_is_guessed_from_a_serial_verification(clock):
     assert policy.verify_seconds(0) == pytest.approx(0.48 / policy.shape(1))
 
 
+def test_a_step_on_every_core_is_guessed_with_the_cores_it_gains(clock):
+    """Until a plain step or a serial verification is timed, a step on every core is guessed from the verifications
+    beside the working draft, which ran on the target's share of the cores: at best it speeds up with them
+    (`every_core`). Taken as they were, 2 rows on 2 cores guessed a serial K = 2 at 800 ms (measured: 511) and never
+    tried it; SSD made 0.81x plain decoding there."""
+    def policy_at(every_core: float):
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.9, concurrent=True, cost_shape=FLAT_SHAPE,
+                                 serial=True, every_core=every_core)
+        _measured(policy, {1: 0.894, 2: 0.926, 4: 1.50})
+        return policy
+
+    shared, alone = policy_at(2.0), policy_at(1.0)
+    assert shared.verify_seconds(0) == pytest.approx(alone.verify_seconds(0) / 2)
+    table = shared.times()
+    assert shared.serial_verify_seconds(2, table, {}) == pytest.approx(
+        alone.serial_verify_seconds(2, alone.times(), {}) / 2)
+    assert shared.verify_seconds(2) == pytest.approx(0.926)  # a verification beside the draft: as measured
+    shared.serial_verify[1] = DecayedMean(0.5)  # once a step on every core is timed, it speaks for itself
+    shared.serial_verify[1].add(0.34)
+    assert shared.verify_seconds(0) == pytest.approx(min(0.34 * shared.shape(0) / shared.shape(1),
+                                                         0.894 / 2 * shared.shape(0) / shared.shape(1)))
+
+
 def test_a_verification_beside_the_draft_costs_at_least_its_serial_timing(clock):
     """An unmeasured verification beside the working draft is priced no cheaper than the same one timed on every
     core with the draft idle, and, its cost then a bound rather than a guess, is tried only where it might be best. A

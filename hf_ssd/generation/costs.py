@@ -102,15 +102,17 @@ class RoundCosts:
         measured ones are fitted non-decreasing first, `_monotone`); past
         K_max, where no K is explored, it rises from there by the prior shape `shape`); with
         none measured below it, the nearest measured one above scaled down in proportion to positions. The plain
-        step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones (concurrent
-        or serial: the latter, like a plain step, on every core) scaled by the prior shape."""
+        step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones (concurrent,
+        divided by `every_core`, the cores a step on every core has over one beside the draft; or serial: like a
+        plain step, on every core) scaled by the prior shape."""
         measured = self.times() if measured is None else measured
         if not measured:
             return None
         if k in measured:
             return measured[k]
-        if k == 0:  # a serial verification runs on every core with the draft idle, as a plain step does
-            known = [*measured.items(), *self.serial_times().items()]
+        if k == 0:  # a serial verification runs on every core with the draft idle, as a plain step does; one beside
+            # the draft on the target's share of them: at best the step speeds up with the cores (`every_core`)
+            known = [(n, t / self.every_core) for n, t in measured.items()] + list(self.serial_times().items())
             return min(t * self.shape(0) / self.shape(n) for n, t in known)
         several = sorted((n, t) for n, t in measured.items() if n >= 1)  # verifications of several positions
         if not several:

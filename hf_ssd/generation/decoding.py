@@ -66,7 +66,8 @@ def ssd_decoding(
                              draft_key=id(assistant_model), serial=shared_cores,
                              fanout=FanoutBudget(config.branches, _budget_adaptive(config), config.power_law_prior,
                                                  concurrent=kind != "sync"),
-                             confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead)
+                             confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead,
+                             every_core=_every_core(request) if shared_cores and kind != "sync" else 1.0)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -214,3 +215,9 @@ def _outputs(input_ids, batch, target, generation_config, metrics, pad):
         # At batch > 1 the cache's rows were realigned and finished ones dropped: it does not match `sequences`.
         **{cache_field: target.cache if len(batch.rows) == 1 else None},
     )
+
+
+def _every_core(request) -> float:
+    """The cores of a step on every core (the draft idle: `DraftExecutor.target_cores`) over the target's beside the
+    working draft."""
+    return (request.draft_threads + request.target_threads) / max(request.target_threads, 1)
