@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 import sys
 from typing import Any
@@ -114,15 +115,29 @@ def check_arguments(args: argparse.Namespace) -> SSDConfig | None:
     return config
 
 
+logger = logging.getLogger("hf_ssd.serve")
+
+
+def _report_to_stderr() -> None:
+    """The command's messages (its errors, the address it serves on) go to this call's stderr, whatever the server's
+    log level, as `hf-ssd serve: ...` lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hf-ssd serve: %(message)s"))
+    logger.handlers = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def run_command(args: argparse.Namespace) -> int:
     from ..models import ModelsError
     from .compat import ServingUnavailable, require_serving
 
+    _report_to_stderr()
     try:
         config = check_arguments(args)
         require_serving()
     except (ValueError, ModelsError, ServingUnavailable) as error:
-        print(f"hf-ssd serve: error: {error}", file=sys.stderr)
+        logger.error("error: %s", error)
         return 2
     from .server import SSDServer
 
@@ -131,7 +146,7 @@ def run_command(args: argparse.Namespace) -> int:
                        start_draft_worker=not args.no_draft_worker, enable_cors=args.enable_cors,
                        log_level=args.log_level)
     what = "plain decoding" if config is None else f"SSD with {args.draft}, {config.to_json_string()}"
-    print(f"hf-ssd serve: {args.target} ({what}) on http://{args.host}:{args.port}/v1 "
-          "(/v1/chat/completions, /v1/models, /metrics)", file=sys.stderr)
+    logger.info("%s (%s) on http://%s:%s/v1 (/v1/chat/completions, /v1/models, /metrics)", args.target, what,
+                args.host, args.port)
     server.run()
     return 0
