@@ -83,6 +83,11 @@ class ConfidenceCalibration:
             self.passed[NEXT][b] += accepted
         self.samples += 1
 
+    def add_at(self, confidences: list[float], position: int, accepted: float) -> None:
+        """`add` for the token at `position` of a speculation whose tokens had `confidences` (the one before it, if
+        any, is its `previous`)."""
+        self.add(confidences[position], accepted, position, confidences[position - 1] if position else None)
+
     def table(self, prior: float | list[float] | None = None, kind: int = FIRST) -> list[float]:
         """f per bin for `kind` (`FIRST` or `LATER`): measured, shrunk to `prior` (one value or one per bin; default:
         each bin's midpoint), and non-decreasing in confidence (a more confident token is never predicted less
@@ -145,9 +150,9 @@ class StopRule:
     to pay for itself (the round's speed times its cost): `gain` for drafting it, plus `extra[n - 1]` for verifying
     it as the (n + 1)-th (the cost curve's step there; the last one past the end, none when empty); the next token is
     drafted when some run of further tokens pays for itself as a whole (`_worth`: past a jump in the curve, the
-    tokens beyond it share its price). `at_least`: the
-    tokens drafted whatever the rule says (2: the second is the free sample of the next position's acceptance, see
-    `LookaheadPolicy.stop_rule`). Plain data: it crosses to a worker process as `to_list` / `from_list`."""
+    tokens beyond it share its price). `at_least`: the tokens drafted whatever the rule says (2: the second is the
+    free sample of the next position's acceptance, see `LookaheadPolicy.stop_rule`). Plain data: it crosses to a
+    worker process as `to_list` / `from_list`."""
 
     table: tuple[float, ...]
     gain: float

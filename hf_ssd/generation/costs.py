@@ -175,10 +175,11 @@ class RoundCosts:
         time of a miss; a plain step has neither draft work nor lookups (the draft pauses when plain steps win).
         An unmeasured verification beside the draft costs at least the same one measured with the draft idle on
         every core (`serial`, `concurrent_floor`)."""
+        measured = self.times() if measured is None else measured
         verify = self.verify_seconds(k, measured)
         if verify is None:
             return None
-        floor = self.concurrent_floor(k, self.times() if measured is None else measured, serial)
+        floor = self.concurrent_floor(k, measured, serial)
         if floor is not None:
             verify = max(verify, floor)
         if k == 0:

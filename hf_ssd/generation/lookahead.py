@@ -359,12 +359,11 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             for j in range(accepted):
                 self.acceptance.add(j, 1.0)
                 if confidence is not None:
-                    self.calibration.add(confidence[j], 1.0, j, confidence[j - 1] if j else None)
+                    self.calibration.add_at(confidence, j, 1.0)
             if accepted < n:
                 self.acceptance.add(accepted, 0.0)
                 if confidence is not None:
-                    self.calibration.add(confidence[accepted], 0.0, accepted,
-                                         confidence[accepted - 1] if accepted else None)
+                    self.calibration.add_at(confidence, accepted, 0.0)
                 continue
             spec = row.speculation  # everything verified was accepted: a free sample one position on
             if spec.tokens.shape[0] <= n:
@@ -380,7 +379,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
                 sample = float(torch.minimum(probs[i], q).sum())
             self.acceptance.add(n, sample)
             if confidence is not None:
-                self.calibration.add(confidence[n], sample, n, confidence[n - 1] if n else None)
+                self.calibration.add_at(confidence, n, sample)
             if n == 0:
                 self.probing.free_sample(sample)
 
