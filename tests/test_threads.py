@@ -82,3 +82,54 @@ def test_a_worker_is_spawned_with_the_short_spin_and_the_environment_is_restored
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     with _short_spin_waits():
         assert "GOMP_SPINCOUNT" not in os.environ  # the caller's policy stands
+
+
+def _count_seen_by_a_new_thread(initializer) -> int:
+    """The intra-op count a pool thread started with `initializer(1)` works with when the caller's thread sets 2
+    between that start and the pool thread's first op (what the draft's thread met: the target's prefill on every
+    core)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Event
+
+    started, go = Event(), Event()
+
+    def first_op():
+        started.set()
+        go.wait(10)
+        torch.ones(64, 64).sum()  # a parallel region's first use initialises the thread's count
+        return torch.get_num_threads()
+
+    saved = torch.get_num_threads()
+    with ThreadPoolExecutor(1, initializer=initializer, initargs=(1,)) as pool:
+        try:
+            future = pool.submit(first_op)
+            started.wait(10)
+            torch.set_num_threads(2)
+            go.set()
+            return future.result(10)
+        finally:
+            torch.set_num_threads(saved)
+
+
+def test_a_draft_thread_keeps_its_own_count_when_the_caller_sets_another():
+    from hf_ssd.runtime.threads import own_threads
+
+    assert _count_seen_by_a_new_thread(own_threads) == 1
+    # the plain setter (what the draft's thread used): torch's lazy per-thread initialisation replaced it by the
+    # caller's count, and the draft's OpenMP team of 2 beside the target's made libgomp stop spinning
+    assert _count_seen_by_a_new_thread(torch.set_num_threads) == 2
+
+
+def test_a_worker_process_is_started_only_for_drafts_with_short_steps():
+    from hf_ssd.generation.candidate_generator import DraftTimings
+    from hf_ssd.runtime.local import WORKER_PAYS_BELOW, worker_pays
+
+    assert worker_pays(DraftTimings())  # nothing timed: as before
+    short, long = WORKER_PAYS_BELOW / 4, WORKER_PAYS_BELOW * 2
+    assert worker_pays(DraftTimings(serial_steps=10, serial_step_seconds=10 * short))
+    assert not worker_pays(DraftTimings(serial_steps=10, serial_step_seconds=10 * long))  # the 0.5B int8 draft
+    assert worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * short))  # two forwards a prepare
+    assert not worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * long))
+    # the steps drafted just in time decide over the prepares
+    assert not worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * short, serial_steps=4,
+                                        serial_step_seconds=4 * long))

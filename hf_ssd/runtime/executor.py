@@ -144,8 +144,9 @@ def choose_executor(kind: str, draft_model, target_device: torch.device) -> str:
     "auto" (rule measured on 2-core CPUs, docs/design.md "Executors"): with at least two cores or a draft on its own
     device, the draft runs concurrently with verification; a CPU draft in a worker process once one is running for
     this interpreter (the GIL then costs neither side: on small pairs SSD runs 10-25 % faster than with a thread,
-    on large ones the same), else on a thread, the worker starting in the background when that call returns (its
-    start-up, 3-4 s of a core, exceeds many whole generations and would slow the call it overlapped). A CUDA draft
+    on large ones the same), else on a thread, the worker starting in the background when that call returns if the
+    draft's steps were short enough for it to pay (`local.worker_pays`; its start-up, 3-4 s of a core, and the
+    draft's hand-over exceed many whole generations and slow the calls they overlap). A CUDA draft
     runs on the stream executor (a thread issuing onto a side stream of its device). One core and one device:
     inline ("sync").
     """
@@ -169,7 +170,8 @@ def open_executor(kind: str, draft_model, request: DraftRequest, requested: str 
     manager. `target_device` is where the target consumes the draft's results (the stream executor's hand-offs).
 
     `requested` is what the configuration asked for: when "auto" settled on a thread for a CPU draft, a worker
-    process is started in the background once this generation is over, for the calls that follow."""
+    process is started in the background once this generation is over, for the calls that follow, where the
+    draft's steps were short enough for it to pay (`local.worker_pays`)."""
     if kind == "process":
         from .process import ProcessExecutor
 

@@ -17,9 +17,30 @@ import torch
 from ..config import SSDConfig
 from ..generation.candidate_generator import SaguaroCandidateGenerator
 from .executor import DraftCancelled, DraftExecutor, DraftRequest
-from .threads import drafted_tokens, drafting_threads, torch_threads
+from .threads import drafted_tokens, drafting_threads, own_threads, torch_threads
 
 logger = logging.getLogger(__name__)
+
+
+# A draft step (one token's forward) at least this long gains nothing from a worker process over a thread: the GIL's
+# share of it is small. Measured on 2 cores: the small pair's 4-25 ms forwards ran 10-25 % faster in a process; the
+# Qwen 0.5B int8 draft's 35 ms steps ran as fast on the thread (SSD 4.79 against 4.53 tok/s over four prompts, one
+# run), where the worker's start and the draft's hand-over (~9 s of a core, 6 s of it the int8 draft's pickling and
+# repacking) slowed the calls they overlapped to 0.70-0.80x plain decoding.
+WORKER_PAYS_BELOW = 0.02
+
+
+def worker_pays(timings) -> bool:
+    """Whether a worker process would pay for this draft, from the seconds of its steps in the generation just run
+    (`DraftTimings`): a token drafted just in time, else a prepare (at least two forwards: glue and tree); no
+    steps timed: yes."""
+    if timings.serial_steps:
+        step = timings.serial_step_seconds / timings.serial_steps
+    elif timings.prepare_calls:
+        step = timings.prepare_seconds / timings.prepare_calls / 2
+    else:
+        return True
+    return step < WORKER_PAYS_BELOW
 
 
 class LocalExecutor(DraftExecutor):
@@ -44,7 +65,7 @@ class LocalExecutor(DraftExecutor):
     def start(self) -> None:
         if self.kind != "sync":
             self._pool = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="hf-ssd-draft", initializer=torch.set_num_threads,
+                max_workers=1, thread_name_prefix="hf-ssd-draft", initializer=own_threads,
                 initargs=(self.request.draft_threads,),
             )
 
@@ -55,7 +76,7 @@ class LocalExecutor(DraftExecutor):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         after, self.after_close = self.after_close, None
-        if after is not None:
+        if after is not None and worker_pays(self.drafter.timings):
             after()
         last, self._last = self._last, None
         if last is not None and last.done() and not last.cancelled():
