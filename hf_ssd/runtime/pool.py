@@ -341,6 +341,11 @@ class WorkerPool:
         self.release(worker, healthy=True)
         return True
 
+    def started(self) -> bool:
+        """Whether a worker runs or is starting (`executor="auto"` starts one after a call where it pays)."""
+        with self._lock:
+            return self._warming is not None or bool(self._idle) or bool(self._busy)
+
     def warm(self) -> None:
         """Start a worker in the background unless one runs, is starting, or cannot start here."""
         with self._lock:
