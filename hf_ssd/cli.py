@@ -191,11 +191,11 @@ def demo(args) -> int:
     with _TokenBar("warm-up", 4, rows) as bar:
         target.generate(input_ids, streamer=bar.streamer(), **{**common, "max_new_tokens": 4})
     worker_s = None
-    if config.executor in ("auto", "process") and draft.device.type == "cpu":
+    if config.executor == "process" and draft.device.type == "cpu":  # ("auto" starts one where it pays, itself)
         from .runtime import start_draft_worker
         from .runtime.pool import shareable
 
-        if shareable(draft) is None:  # the draft's worker process, started once (auto then uses it)
+        if shareable(draft) is None:  # the draft's worker process, started once
             with tqdm(total=1, desc="starting the draft's worker process", leave=False, file=sys.stderr) as bar:
                 worker_s = start_draft_worker(draft)
                 bar.update(1)

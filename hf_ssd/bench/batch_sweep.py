@@ -137,17 +137,17 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
                          lookahead_schedule=lookahead_schedule, fanout_budget_schedule=fanout_budget_schedule,
                          draft_confidence=draft_confidence)
 
-    # warm-up: the draft's worker process (so "auto" runs it from the first measured call), then one short call of
-    # each code path
-    from ..runtime.pool import shareable, start_draft_worker
+    # warm-up: one short call of each code path; then the draft's worker process where "auto" started one after its
+    # call (a draft with short steps, `runtime.local.worker_pays`), so measured calls see what "auto" settles on
+    from ..runtime.pool import POOL, shareable, start_draft_worker
 
-    if draft.device.type == "cpu" and shareable(draft) is None:
-        start_draft_worker(draft)
     ids, mask = left_pad(encoded[:2], pad_id)
     with torch.no_grad():
         target.generate(ids, attention_mask=mask, **{**common, "max_new_tokens": 4})
         target.generate(ids, attention_mask=mask, assistant_model=draft, ssd_config=ssd("draft"),
                         **{**common, "max_new_tokens": 4})
+    if draft.device.type == "cpu" and shareable(draft) is None and POOL.started():
+        start_draft_worker(draft)
 
     def point(method: str, b: int, figures: dict[str, float], **extra) -> dict:
         entry = {"method": method, "batch_size": b, **figures,
