@@ -139,15 +139,14 @@ def batch_sweep(target, draft, tokenizer, prompts: Sequence[str], batch_sizes: S
 
     # warm-up: one short call of each code path; then the draft's worker process where "auto" started one after its
     # call (a draft with short steps, `runtime.local.worker_pays`), so measured calls see what "auto" settles on
-    from ..runtime.pool import POOL, shareable, start_draft_worker
+    from ..runtime.pool import adopt_started_worker
 
     ids, mask = left_pad(encoded[:2], pad_id)
     with torch.no_grad():
         target.generate(ids, attention_mask=mask, **{**common, "max_new_tokens": 4})
         target.generate(ids, attention_mask=mask, assistant_model=draft, ssd_config=ssd("draft"),
                         **{**common, "max_new_tokens": 4})
-    if draft.device.type == "cpu" and shareable(draft) is None and POOL.started():
-        start_draft_worker(draft)
+    adopt_started_worker(draft)
 
     def point(method: str, b: int, figures: dict[str, float], **extra) -> dict:
         entry = {"method": method, "batch_size": b, **figures,

@@ -110,7 +110,7 @@ def run_bench(
     # `runtime.local.worker_pays`): measured runs see the executor "auto" settles on, without its start-up.
     warm_ids = encoded[0][2]
     warm = {}
-    from ..runtime.pool import POOL, shareable, start_draft_worker
+    from ..runtime.pool import adopt_started_worker, shareable, start_draft_worker
 
     worker = draft.device.type == "cpu" and shareable(draft) is None and any(m.kind == "ssd" for m in methods)
     if worker and settings.executor == "process":
@@ -120,8 +120,8 @@ def run_bench(
         generate_once(target, draft, warm_ids, spec, settings, min(settings.warmup_tokens, settings.max_new_tokens),
                       settings.seed)
         warm[spec.key] = time.perf_counter() - t0
-    if worker and settings.executor == "auto" and POOL.started():
-        warm["draft worker"] = start_draft_worker(draft)
+    if worker and settings.executor == "auto" and (seconds := adopt_started_worker(draft)) is not None:
+        warm["draft worker"] = seconds
     log(f"warm-up done ({', '.join(f'{k} {v:.1f}s' for k, v in warm.items())})")
 
     records: list[RunRecord] = []

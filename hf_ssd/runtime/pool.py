@@ -344,12 +344,15 @@ class WorkerPool:
     def started(self) -> bool:
         """Whether a worker runs or is starting (`executor="auto"` starts one after a call where it pays)."""
         with self._lock:
-            return self._warming is not None or bool(self._idle) or bool(self._busy)
+            return self._started()
+
+    def _started(self) -> bool:  # under the lock
+        return self._warming is not None or bool(self._idle) or bool(self._busy)
 
     def warm(self) -> None:
         """Start a worker in the background unless one runs, is starting, or cannot start here."""
         with self._lock:
-            if self._failure is None and self._warming is None and not self._idle and not self._busy:
+            if self._failure is None and not self._started():
                 self._warming = threading.Thread(target=self._warm, name="hf-ssd-worker-start", daemon=True)
                 self._warming.start()
 
@@ -456,6 +459,15 @@ def start_draft_worker(draft: torch.nn.Module) -> float:
     worker, _, _ = POOL.acquire(draft, threads=1)
     POOL.release(worker, healthy=True)
     return time.perf_counter() - start
+
+
+def adopt_started_worker(draft: torch.nn.Module) -> float | None:
+    """After a warm-up call: where `executor="auto"` started a worker for `draft` (`worker_pays`), wait for it and
+    hand it the draft, so that measured calls see what "auto" settles on without its start-up; seconds taken, None
+    where no worker was started or the draft cannot cross."""
+    if draft.device.type != "cpu" or shareable(draft) is not None or not POOL.started():
+        return None
+    return start_draft_worker(draft)
 
 
 def close_workers() -> None:
