@@ -128,8 +128,12 @@ def test_a_worker_process_is_started_only_for_drafts_with_short_steps():
     short, long = WORKER_PAYS_BELOW / 4, WORKER_PAYS_BELOW * 2
     assert worker_pays(DraftTimings(serial_steps=10, serial_step_seconds=10 * short))
     assert not worker_pays(DraftTimings(serial_steps=10, serial_step_seconds=10 * long))  # the 0.5B int8 draft
-    assert worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * short))  # two forwards a prepare
-    assert not worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * long))
-    # the steps drafted just in time decide over the prepares
-    assert not worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * short, serial_steps=4,
-                                        serial_step_seconds=4 * long))
+    assert worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * short, fastest_prepare=2 * short))
+    assert not worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * long, fastest_prepare=2 * long))
+    # a short call's cold first prepare does not hide short steps: the quickest decides
+    assert worker_pays(DraftTimings(prepare_calls=3, prepare_seconds=0.3, fastest_prepare=2 * short))
+    # the quicker of the two kinds of timing decides
+    assert not worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * long, fastest_prepare=2 * long,
+                                        serial_steps=4, serial_step_seconds=4 * long))
+    assert worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * long, fastest_prepare=2 * long,
+                                    serial_steps=4, serial_step_seconds=4 * short))

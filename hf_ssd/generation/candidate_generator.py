@@ -74,6 +74,7 @@ class DraftTimings:
     # the committed tokens): what one more token costs, apart from the fixed cost of a serial speculation
     serial_steps: int = 0
     serial_step_seconds: float = 0.0
+    fastest_prepare: float = float("inf")  # seconds of the quickest prepare (a call's first pays cold starts)
 
 
 @dataclass
@@ -381,8 +382,10 @@ class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGen
                 None if confidence is None else confidence.reshape(flat, k),
             )
         finally:
-            self.timings.prepare_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.timings.prepare_seconds += seconds
             self.timings.prepare_calls += 1
+            self.timings.fastest_prepare = min(self.timings.fastest_prepare, seconds)
 
     def _commit(self, outcomes, accepted: torch.Tensor, keep_rows: list[int], selected: torch.Tensor) -> None:
         """Each kept row's committed path grows by its accepted tokens of the speculation just verified and its

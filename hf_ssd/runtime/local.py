@@ -32,15 +32,14 @@ WORKER_PAYS_BELOW = 0.02
 
 def worker_pays(timings) -> bool:
     """Whether a worker process would pay for this draft, from the seconds of its steps in the generation just run
-    (`DraftTimings`): a token drafted just in time, else a prepare (at least two forwards: glue and tree); no
-    steps timed: yes."""
+    (`DraftTimings`): the quicker of a token drafted just in time (on average) and the quickest prepare's forwards
+    (at least two: glue and tree; a short warm-up call's mean is its cold first prepare); no steps timed: yes."""
+    steps = []
     if timings.serial_steps:
-        step = timings.serial_step_seconds / timings.serial_steps
-    elif timings.prepare_calls:
-        step = timings.prepare_seconds / timings.prepare_calls / 2
-    else:
-        return True
-    return step < WORKER_PAYS_BELOW
+        steps.append(timings.serial_step_seconds / timings.serial_steps)
+    if timings.prepare_calls:
+        steps.append(timings.fastest_prepare / 2)
+    return not steps or min(steps) < WORKER_PAYS_BELOW
 
 
 class LocalExecutor(DraftExecutor):
