@@ -105,23 +105,20 @@ def run_bench(
     if not encoded:
         raise ValueError("no prompts to run")
 
-    # Warm-up: every method once, on the first prompt, a few tokens; then the draft's worker process where the
-    # executor asks for one ("process") or "auto" started one after its call (a draft with short steps,
-    # `runtime.local.worker_pays`): measured runs see the executor "auto" settles on, without its start-up.
+    # Warm-up: the draft's worker process (measured runs then see the executor "auto" settles on once a worker
+    # runs), then every method once, on the first prompt, a few tokens.
     warm_ids = encoded[0][2]
     warm = {}
-    from ..runtime.pool import adopt_started_worker, shareable, start_draft_worker
+    from ..runtime.pool import shareable, start_draft_worker
 
-    worker = draft.device.type == "cpu" and shareable(draft) is None and any(m.kind == "ssd" for m in methods)
-    if worker and settings.executor == "process":
+    if settings.executor in ("auto", "process") and draft.device.type == "cpu" and shareable(draft) is None and any(
+            m.kind == "ssd" for m in methods):
         warm["draft worker"] = start_draft_worker(draft)
     for spec in methods:
         t0 = time.perf_counter()
         generate_once(target, draft, warm_ids, spec, settings, min(settings.warmup_tokens, settings.max_new_tokens),
                       settings.seed)
         warm[spec.key] = time.perf_counter() - t0
-    if worker and settings.executor == "auto" and (seconds := adopt_started_worker(draft)) is not None:
-        warm["draft worker"] = seconds
     log(f"warm-up done ({', '.join(f'{k} {v:.1f}s' for k, v in warm.items())})")
 
     records: list[RunRecord] = []
