@@ -67,15 +67,18 @@ def ssd_decoding(
                              fanout=FanoutBudget(config.branches, _budget_adaptive(config), config.power_law_prior,
                                                  concurrent=kind != "sync"),
                              confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead,
-                             every_core=_every_core(request) if shared_cores and kind != "sync" else 1.0)
+                             every_core=_every_core(request) if shared_cores and kind != "sync" else 1.0,
+                             prefill_positions=input_ids.numel())
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
     with BatchStreamer(streamer, batch.rows, None if pad is None else int(pad)) as stream, open_executor(
         kind, assistant_model, request, config.executor, input_ids.device
     ) as drafter:
+        began = time.perf_counter()
         with phase("wait_first"):  # the draft's prefill and first speculations, on every core
             batch.hand(drafter.begin(input_ids, model_kwargs.get("attention_mask"), policy.first_depth()).result())
+        policy.began(time.perf_counter() - began)
         while True:
             verified = policy.choose(batch.verifiable(generation_config.max_length, target.max_positions),
                                      rows=len(batch.active),
