@@ -291,8 +291,13 @@ def test_a_draft_with_hooks_does_not_cross(pair, case):
         assert not POOL._busy and all(pid_alive(pid) for pid in worker_pids())  # the worker was left as it was
         assert torch.equal(ssd(target, local, ids, executor="auto"), expected)
         assert target.ssd_metrics.executor == "thread"
+        assert torch.equal(ssd(target, local, ids, executor="auto"), expected)  # tried once: stays on the thread
+        assert target.ssd_metrics.executor == "thread"
     finally:
         hook.remove()
+    # the hook removed, the draft crosses: auto hands it to the worker, which was left as it was
+    assert torch.equal(ssd(target, local, ids, executor="auto"), expected)
+    assert target.ssd_metrics.executor == "process"
 
 
 def test_a_draft_defined_in_main_cannot_cross(pair, case):

@@ -126,6 +126,18 @@ def _draft_fingerprint(draft: torch.nn.Module) -> tuple:
     return tuple(t.data_ptr() for t in itertools.chain(draft.parameters(), draft.buffers()))
 
 
+# A module's hook tables: a hook that does not pickle (a lambda, a closure) keeps the draft from crossing while it
+# is attached; once it is removed the draft may cross
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+def _attachments(draft: torch.nn.Module) -> tuple:
+    """The handles of the hooks attached to the draft's modules: changes when one is added or removed."""
+    return tuple(tuple(getattr(module, table, {})) for module in draft.modules() for table in _HOOK_TABLES)
+
+
 def shareable(draft: torch.nn.Module) -> str | None:
     """Why `draft` cannot be handed to a worker process, or None when it can."""
     for module in draft.modules():
@@ -301,7 +313,8 @@ class WorkerPool:
         self._keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._counter = itertools.count(1)
         self._collected: set[int] = set()  # keys of drafts garbage-collected here; workers drop them when next used
-        self._unshareable: dict[int, str] = {}  # keys of drafts that failed to pickle: auto keeps them on threads
+        # keys of drafts that failed to pickle, with their hooks then: auto keeps them on threads until those change
+        self._unshareable: dict[int, tuple[str, tuple]] = {}
         self._shutting_down = False
 
     def key_of(self, draft: torch.nn.Module) -> int:
@@ -319,7 +332,8 @@ class WorkerPool:
             return False
         key = self.key_of(draft)
         with self._lock:
-            if self._failure is not None or key in self._unshareable:
+            failed = self._unshareable.get(key)
+            if self._failure is not None or (failed is not None and failed[1] == _attachments(draft)):
                 return False
             alive = [w for w in self._idle if w.alive()]
             worker = next((w for w in alive if key in w.drafts), alive[0] if alive else None)
@@ -331,13 +345,15 @@ class WorkerPool:
             self._drop_forgotten(worker)
             worker.load(key, draft)
         except DraftNotShareable as err:
-            self._unshareable[key] = str(err)
+            self._unshareable[key] = (str(err), _attachments(draft))
             self.release(worker, healthy=True)
             return False
         except Exception as err:
             logger.warning("hf_ssd: a draft worker failed to take the draft (%s); this call drafts on a thread.", err)
             self.release(worker, healthy=False)
             return False
+        with self._lock:
+            self._unshareable.pop(key, None)
         self.release(worker, healthy=True)
         return True
 
