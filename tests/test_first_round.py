@@ -32,7 +32,7 @@ def _first_round(positions: int, began: float, **kwargs) -> tuple[str, int, int]
 
 def test_a_long_prefill_is_verified_on_every_core():
     assert _first_round(52, 0.3) == (SERIAL, 0, 4)  # the draft sits it out, then drafts K_max just in time
-    assert _first_round(4 * 13, 0.3) == (SERIAL, 0, 4)  # a batch: rows x prompt length positions
+    assert _first_round(2 * 9, 0.3) == (SERIAL, 0, 4)  # a batch of 2 rows of 9 tokens: 18 positions, past the knee
 
 
 @pytest.mark.parametrize("positions, began, options", [
@@ -44,8 +44,8 @@ def test_a_long_prefill_is_verified_on_every_core():
     pytest.param(52, 0.3, {"adaptive": False}, id="constant-schedule"),
 ])
 def test_otherwise_the_draft_prepares_beside_the_first_verification(positions, began, options):
-    adaptive = options.pop("adaptive", True)
     options = {"concurrent": True, "cost_shape": CPU_SHAPE, "serial": True} | options
+    adaptive = options.pop("adaptive", True)
     policy = LookaheadPolicy(4, adaptive, 0.8, prefill_positions=positions, **options)
     policy.began(began)
     k = policy.choose(4)

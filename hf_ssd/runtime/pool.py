@@ -345,7 +345,8 @@ class WorkerPool:
             self._drop_forgotten(worker)
             worker.load(key, draft)
         except DraftNotShareable as err:
-            self._unshareable[key] = (str(err), _attachments(draft))
+            with self._lock:
+                self._unshareable[key] = (str(err), _attachments(draft))
             self.release(worker, healthy=True)
             return False
         except Exception as err:
