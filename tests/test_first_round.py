@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_pair
-from test_lookahead import ARCHS, _script, batch_greedy_runs, law_models, shift_just_in_time_q  # noqa: F401  (law_models: a fixture)
-from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, exact_law, law_pvalues, ssd_samples
+from test_lookahead import ARCHS, _script, batch_greedy_runs, law_models, scripted_runs, shift_just_in_time_q  # noqa: F401  (law_models: a fixture)
+from test_sampling_law import ALPHA, REJECT, TEMPERATURE, ssd_law_pvalues
 
 from hf_ssd import SSDConfig
 from hf_ssd.generation import lookahead as lookahead_module
@@ -65,17 +65,11 @@ def prefill_alone(monkeypatch):
 def test_greedy_identical_after_a_serial_first_round(prefill_alone, arch, executor):
     """The real policy, its first round serial: plain decoding's output, with the draft as itself (every token
     accepted) and unrelated."""
-    target, draft = tiny_pair(arch, seed=120 + ARCHS.index(arch))
-    ids = torch.randint(0, 96, (1, 21), generator=torch.Generator().manual_seed(7))
-    expected = target.generate(ids, max_new_tokens=29, do_sample=False)
-    for assistant in (target, draft):
-        out = target.generate(ids, assistant_model=assistant, max_new_tokens=29, do_sample=False,
-                              ssd_config=SSDConfig(lookahead=3, executor=executor))
-        assert torch.equal(out, expected), (arch, executor)
-        first = target.ssd_metrics.lookahead_decisions[0]
+    for itself, m in scripted_runs(arch, executor, seed=120 + ARCHS.index(arch), new_tokens=29, prompt_length=21):
+        first = m.lookahead_decisions[0]
         assert first["mode"] == SERIAL and first["depth"] == 0 and first["serial"] > 0, first
-        if assistant is target:
-            assert target.ssd_metrics.draft_acceptance_rate == 1.0
+        if itself:
+            assert m.draft_acceptance_rate == 1.0
 
 
 def test_a_short_prompt_keeps_a_concurrent_first_round(prefill_alone):
@@ -106,9 +100,7 @@ def test_sampling_law_after_a_serial_first_round(monkeypatch, law_models, execut
     _script(monkeypatch, LAW_FIRST_SERIAL_SCRIPT)
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor=executor)
-    counts, hits, misses = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=121)
-    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
-    print(f"p-values {pvalues}, hits {hits}, misses {misses}")
+    pvalues = ssd_law_pvalues(target, law_models["random"], config, TEMPERATURE, seed=121)
     assert min(pvalues.values()) >= ALPHA, pvalues
 
 
@@ -119,7 +111,5 @@ def test_negative_control_first_serial_q_shifted(monkeypatch, law_models):  # no
     shift_just_in_time_q(monkeypatch, lambda phase, length, drafted: phase in ("prefill", "serial"))
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="thread")
-    counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=122, samples=SAMPLES)
-    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
-    print(f"negative control p-values {pvalues}")
+    pvalues = ssd_law_pvalues(target, law_models["self"], config, TEMPERATURE, seed=122)
     assert min(pvalues.values()) < REJECT, pvalues

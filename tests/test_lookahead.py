@@ -622,11 +622,11 @@ def scripted_ks(rounds: int, k_max: int = 3, script=None) -> list[int]:
     return ks
 
 
-def scripted_runs(arch: str, executor: str, seed: int, new_tokens: int):
+def scripted_runs(arch: str, executor: str, seed: int, new_tokens: int, prompt_length: int = 11):
     """(whether the draft is the target itself, metrics) of SSD with the target as its own draft and with an
     unrelated one, each output checked against plain greedy decoding."""
     target, random_draft = tiny_pair(arch, seed=seed)
-    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(seed % 7 + 3))
+    ids = torch.randint(0, 96, (1, prompt_length), generator=torch.Generator().manual_seed(seed % 7 + 3))
     expected = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     for draft in (target, random_draft):
         out = target.generate(ids, assistant_model=draft, max_new_tokens=new_tokens, do_sample=False,

@@ -335,6 +335,16 @@ def ssd_samples(target, draft, config: SSDConfig, sampling: dict, seed: int, sam
     return counts, hits, misses
 
 
+def ssd_law_pvalues(target, draft, config: SSDConfig, sampling: dict, seed: int, samples: int = SAMPLES
+                    ) -> dict[str, float]:
+    """`law_pvalues` of SSD's samples (`ssd_samples`) against the target's exact law, printed with the cache's hits
+    and misses."""
+    counts, hits, misses = ssd_samples(target, draft, config, sampling, seed, samples)
+    pvalues = law_pvalues(exact_law(target, sampling), counts)
+    print(f"p-values {pvalues}, hits {hits}, misses {misses}")
+    return pvalues
+
+
 def law_pvalues(law: np.ndarray, counts: np.ndarray) -> dict[str, float]:
     """Chi-square p-values of the joint law, of the first three tokens, of each position and each adjacent pair."""
     everything = tuple(range(NEW_TOKENS))
