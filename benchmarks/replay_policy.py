@@ -10,9 +10,20 @@ decoding loop drives it:
     python benchmarks/replay_policy.py record --prompts humaneval,gsm8k,mt_bench,alpaca --limit 8 --out runs.json
     python benchmarks/replay_policy.py replay runs.json --profile epyc
 
-`replay` prints decode tok/s per set for AR, SD at fixed K (serial drafting) and SSD with the policy, as ratios to
-AR. What it leaves out: cache misses are an expected backup cost (`--hit-rate`), not the fan-out's real lookups;
-costs do not grow with context; sampling is not modelled. It ranks policy changes; `hf-ssd bench` measures them.
+`replay` prints decode tok/s per set for AR, SD at fixed K (serial drafting), transformers' default schedule (draft
+while the draft's confidence is at least 0.4, up to 20 tokens) and SSD with the policy, as ratios to AR. Runs recorded
+with the draft's confidences replay the policy as `SSDConfig`'s defaults run it (`draft_confidence=True`): K from the
+speculation in hand's calibrated acceptance, serial speculations drafted just in time under the stop rule.
+
+The draft's predictions are recorded one token at a time on its KV cache, as the draft decodes: a teacher-forced
+forward over the whole output differs from them for a draft quantized with per-tensor activation scales (int8
+dynamic quantization scales each forward's activations together: on the real pair's translation prompts it agreed
+with the target on 54 % of positions where its decoding agrees on 69 %).
+
+What it leaves out: cache misses are an expected backup cost (`--hit-rate`), not the fan-out's real lookups;
+costs do not grow with context; sampling is not modelled; after a rejected token a serial speculation's stop
+decisions read the confidences of the target's continuation, not the draft's own. It ranks policy changes;
+`hf-ssd bench` measures them.
 """
 
 from __future__ import annotations
@@ -26,9 +37,11 @@ from types import SimpleNamespace
 
 import torch
 
+from hf_ssd.generation import confidence as confidence_module
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation import probing as probing_module
 from hf_ssd.generation.candidate_generator import DraftTimings
+from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE
 from hf_ssd.generation.lookahead import LookaheadPolicy
 
 # Cost profiles (ms), measured with the Qwen2.5-Coder 1.5B fp32 / 0.5B int8 pair on 2-core machines:
@@ -52,6 +65,14 @@ PROFILES = {
                         verify_all=[345, 400, 350, 340, 300, 320, 340, 360, 400],
                         draft_token=110.0, draft_token_all=55.0, contention=1.19, overhead=3.0, flat=True),
     # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
+    # the 2-core Intel Xeon (AVX-512) with the target packed, from the 2026-12-05 nine-set bench traces at 40-800
+    # tokens of context: serial verifications flat to 4 tokens, a 33 ms jump at 5; a concurrent verification on
+    # one thread about twice a plain step; a serial speculation's first token 45 ms, each further one 42 ms
+    "xeon-packed": dict(verify=[300, 360, 540, 540, 540, 600, 600, 600, 650, 660, 670, 680, 690, 700, 710, 720, 780],
+                        verify_all=[282, 305, 305, 305, 317, 350, 350, 350, 350, 378, 384, 384, 390, 396, 402, 408,
+                                    443],
+                        draft_token=60.0, draft_token_all=42.0, draft_fixed_all=45.0, contention=1.19, overhead=5.0,
+                        flat=True),
     "xeon": dict(verify=[417, 430, 441, 441, 830, 860, 1100, 1170, 1200],
                  verify_all=[245, 260, 270, 270, 500, 520, 660, 700, 720],
                  draft_token=58.0, draft_token_all=53.0, contention=1.19, overhead=5.0),
@@ -63,6 +84,7 @@ class Run:
     dataset: str
     index: int
     agree: list[int]  # L_i per output position (capped at 16)
+    confidence: list[float] | None = None  # the draft's top probability at each output position, as it decodes
     first_tokens: int = 0  # tokens of the first round (excluded from decode tok/s, as the bench does)
     notes: dict = field(default_factory=dict)
 
@@ -89,17 +111,43 @@ def record(args) -> int:
             ids = encode_prompt(tokenizer, text)
             with torch.no_grad():
                 generated = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-                logits = draft(generated).logits[0]
-            n = ids.shape[1]
-            output = generated[0, n:]
-            predicted = logits[n - 1 : generated.shape[1] - 1].argmax(-1)
+                n = ids.shape[1]
+                output = generated[0, n:]
+                probs = _draft_predictions(draft, ids, output)
+            confidence, predicted = probs.max(-1)
             matches = (predicted == output).tolist()
             out.append({"dataset": prompt_set.name, "index": index, "agree": agreement_runs(matches),
-                        "prompt_tokens": n})
+                        "confidence": [round(c, 4) for c in confidence.tolist()], "prompt_tokens": n})
             print(f"{prompt_set.name}[{index}]: {len(matches)} tokens, draft agrees on "
                   f"{sum(matches) / max(len(matches), 1):.2f}", file=sys.stderr)
     Path(args.out).write_text(json.dumps({"runs": out}))
     return 0
+
+
+def _draft_predictions(draft, ids: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """The draft's next-token distribution [len(output), V] at each output position, decoding one token at a time
+    on its KV cache (see the module docstring)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=draft.config)
+    rows = [draft(ids, past_key_values=cache, use_cache=True).logits[0, -1:].float()]
+    for t in range(output.shape[0] - 1):
+        rows.append(draft(output[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1:].float())
+    return torch.cat(rows).softmax(-1)
+
+
+def _stopped_length(stop, confidence: list[float], start: int, cap: int) -> int:
+    """Tokens a just-in-time speculation from output position `start` drafts under `stop` (at most `cap`)."""
+    cap = min(cap, len(confidence) - start)
+    if stop is None or cap <= 0:
+        return max(cap, 0)
+    reach, rows = torch.ones(1), torch.tensor([True])
+    for i in range(cap):
+        if i + 1 < cap:
+            going, reach = stop.keeps_going(reach, torch.tensor([confidence[start + i]]), rows, i + 1)
+            if not going:
+                return i + 1
+    return cap
 
 
 class _Clock:
@@ -111,27 +159,38 @@ class _Clock:
 
 
 def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, serial: bool,
-               memory=None) -> tuple[float, float, list[int]]:
-    """(decode tokens, decode seconds, K per round) of one prompt under the policy (the first round left out)."""
+               memory=None, confidence: list[float] | None = None, serial_lookahead: int = 16
+               ) -> tuple[float, float, list[int]]:
+    """(decode tokens, decode seconds, K per round) of one prompt under the policy (the first round left out). With
+    the draft's `confidence` per position the policy conditions on it, as `draft_confidence=True` runs it."""
     clock = _Clock()
     saved, lookahead_module.time = lookahead_module.time, clock
     try:
-        shape = lookahead_module.FLAT_SHAPE if profile.get("flat") else lookahead_module.CPU_SHAPE
+        shape = FLAT_SHAPE if profile.get("flat") else CPU_SHAPE
         policy = LookaheadPolicy(k_max, adaptive=True, acceptance_prior=0.75, concurrent=True, memory=memory,
-                                 setting=("replay",), draft_key=1, serial=serial, cost_shape=shape)
+                                 setting=("replay",), draft_key=1, serial=serial, cost_shape=shape,
+                                 confidence=confidence is not None, serial_lookahead=serial_lookahead)
         verify, verify_all = profile["verify"], profile["verify_all"]
         t_token, t_token_all = profile["draft_token"] / 1e3, profile["draft_token_all"] / 1e3
+        t_fixed_all = profile.get("draft_fixed_all", profile["draft_token_all"]) / 1e3
+        plain_s = (verify_all[0] + profile["overhead"]) / 1e3
         timings = DraftTimings()
         pos, spec_len, n = 0, k_max, len(agree)
         decode_tokens, decode_seconds, first = 0, 0.0, True
+
+        def held(length: int) -> torch.Tensor | None:  # the speculation's confidences, past the output: certain
+            return None if confidence is None else torch.tensor(
+                (confidence[pos:pos + length] + [1.0] * length)[:length], dtype=torch.float32)
+
         while pos < n:
-            k = policy.choose(min(spec_len, max(n - pos - 1, 0)))
+            k = policy.choose(min(spec_len, max(n - pos - 1, 0)), confidence=[held(spec_len)])
             depth = policy.depth(k)
             accepted = min(agree[pos], k)
             tokens = torch.tensor([1 if j < agree[pos] else 2 for j in range(spec_len)], dtype=torch.long)
             scores = torch.zeros(1, k + 1, 3)
             scores[0, k, 1] = 1.0  # the target's token at position k: 1, so the draft's s_{k+1} matches iff L > k
-            row = SimpleNamespace(speculation=SimpleNamespace(tokens=tokens, probs=None, confidence=None))
+            row = SimpleNamespace(index=0, speculation=SimpleNamespace(tokens=tokens, probs=None,
+                                                                       confidence=held(spec_len)))
             policy.observe_verification([row], SimpleNamespace(verified=k, accepted=[accepted], scores=scores))
             idle = depth == 0
             forward = (verify_all[k] if idle else verify[k] * (profile["contention"] if k == 0 else 1.0)) / 1e3
@@ -144,21 +203,36 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
                                   prepare_seconds=timings.prepare_seconds + drafted,
                                   backup_calls=timings.backup_calls + 1,
                                   backup_seconds=timings.backup_seconds + depth * t_token)
-            serial_s = policy.serial * t_token_all
-            if policy.serial:
+            pos += accepted + 1
+            just_in_time, stop = policy.just_in_time()
+            serial_len = _stopped_length(stop, confidence, pos, just_in_time) if (
+                just_in_time and confidence is not None) else just_in_time
+            serial_s = t_fixed_all + (serial_len - 1) * t_token_all if serial_len else 0.0
+            if serial_len:
                 timings = replace(timings, serial_calls=timings.serial_calls + 1,
                                   serial_seconds=timings.serial_seconds + serial_s,
-                                  serial_tokens=timings.serial_tokens + policy.serial)
+                                  serial_tokens=timings.serial_tokens + serial_len,
+                                  serial_steps=timings.serial_steps + serial_len - 1,
+                                  serial_step_seconds=timings.serial_step_seconds + (serial_len - 1) * t_token_all)
             wall += miss + serial_s
             clock.now += wall
             policy.observe_round(forward, timings, hits=hit_rate if depth else 0, lookups=1 if depth else 0)
-            pos += accepted + 1
             if first:
                 first = False
             else:
                 decode_tokens += accepted + 1
                 decode_seconds += wall
-            spec_len = depth or policy.serial
+            spec_len = depth or serial_len
+            steps = policy.plain_stretch() if pos < n else 0
+            for _ in range(min(steps, n - pos)):  # plain steps in a row, the draft paused
+                policy.plain_step()
+                clock.now += plain_s
+                policy.observe_round(verify_all[0] / 1e3, None, 0, 0)
+                pos += 1
+                decode_tokens += 1
+                decode_seconds += plain_s
+            if steps:
+                spec_len = 0
         policy.metrics()
         return decode_tokens, decode_seconds, [e["k"] for e in policy.trace]
     finally:
@@ -178,13 +252,37 @@ def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
     return tokens, seconds
 
 
+def replay_sd_default(agree: list[int], confidence: list[float], profile: dict, threshold: float = 0.4,
+                      most: int = 20) -> tuple[float, float]:
+    """transformers' default assisted generation: the assistant drafts while its confidence is at least
+    `threshold`, up to `most` tokens (the round's first token always)."""
+    verify_all = profile["verify_all"]
+    fixed, token = profile.get("draft_fixed_all", profile["draft_token_all"]), profile["draft_token_all"]
+    pos, tokens, seconds, first = 0, 0, 0.0, True
+    while pos < len(agree):
+        k = 0
+        while k < min(most, len(agree) - pos - 1):
+            k += 1
+            if confidence[pos + k - 1] < threshold:
+                break
+        accepted = min(agree[pos], k)
+        verify = verify_all[min(k, len(verify_all) - 1)]  # the curve is flat past its last point
+        wall = ((fixed + (k - 1) * token) if k else 0.0) + verify + profile["overhead"]
+        pos += accepted + 1
+        if not first:
+            tokens, seconds = tokens + accepted + 1, seconds + wall / 1e3
+        first = False
+    return tokens, seconds
+
+
 def replay(args) -> int:
     runs = json.loads(Path(args.runs).read_text())["runs"]
     for assignment in args.set:  # a variant of the policy: one of its modules' constants changed
         name, value = assignment.split("=", 1)
-        module = next((m for m in (lookahead_module, probing_module) if hasattr(m, name)), None)
+        module = next((m for m in (lookahead_module, probing_module, confidence_module) if hasattr(m, name)), None)
         if module is None:
-            raise SystemExit(f"--set {assignment}: hf_ssd.generation.lookahead and .probing have no {name}")
+            raise SystemExit(f"--set {assignment}: hf_ssd.generation.lookahead, .probing and .confidence have no "
+                             f"{name}")
         setattr(module, name, type(getattr(module, name))(value))
     profile = PROFILES[args.profile]
     memory = lookahead_module.LookaheadMemory() if args.memory else None
@@ -201,13 +299,19 @@ def replay(args) -> int:
 
         n = max(len(agree) - 1, 0)
         add("ar", n, n * plain)
+        confidence = None if args.no_confidence else run.get("confidence")
+        confidence = None if confidence is None else confidence[: args.max_new_tokens]
         for k in args.sd:
             add(f"sd-k{k}", *replay_sd(agree, profile, k))
-        t, s, ks = replay_ssd(agree, profile, args.lookahead, args.hit_rate, not args.no_serial, memory)
+        if confidence is not None:
+            add("sd-default", *replay_sd_default(agree, confidence, profile))
+        t, s, ks = replay_ssd(agree, profile, args.lookahead, args.hit_rate, not args.no_serial, memory,
+                              confidence, args.serial_lookahead)
         add("ssd", t, s)
         if args.verbose:
             print(run["dataset"], run["index"], f"{(t / s if s else 0) / (1 / plain):.2f}x", ks)
-    methods = ["ar", *[f"sd-k{k}" for k in args.sd], "ssd"]
+    methods = ["ar", *[f"sd-k{k}" for k in args.sd], *(["sd-default"] if any(
+        "sd-default" in rows for rows in by_set.values()) else []), "ssd"]
     print("| set | " + " | ".join(f"{m}/AR" for m in methods[1:]) + " |")
     print("|---|" + "---|" * (len(methods) - 1))
     pooled = {m: [0.0, 0.0] for m in methods}
@@ -247,6 +351,9 @@ def main(argv=None) -> int:
     rep.add_argument("--hit-rate", type=float, default=0.85)
     rep.add_argument("--max-new-tokens", type=int, default=64)
     rep.add_argument("--no-serial", action="store_true", help="no serial rounds (the draft on its own cores)")
+    rep.add_argument("--no-confidence", action="store_true",
+                     help="leave the recorded confidences out (the policy as draft_confidence=False runs it)")
+    rep.add_argument("--serial-lookahead", type=int, default=16, help="SSDConfig.max_serial_lookahead")
     rep.add_argument("--memory", action="store_true", help="one LookaheadMemory across prompts (as a bench run)")
     rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                      help="override a constant of hf_ssd.generation.lookahead or .probing (e.g. PROBE_EVERY=16)")
