@@ -83,13 +83,13 @@ PROFILES = {
 class Run:
     dataset: str
     index: int
-    agree: list[int]  # L_i per output position (capped at 16)
+    agree: list[int]  # L_i per output position (capped at 32: past SSD's 16-token serial speculations and SD's 20)
     confidence: list[float] | None = None  # the draft's top probability at each output position, as it decodes
     first_tokens: int = 0  # tokens of the first round (excluded from decode tok/s, as the bench does)
     notes: dict = field(default_factory=dict)
 
 
-def agreement_runs(matches: list[bool], cap: int = 16) -> list[int]:
+def agreement_runs(matches: list[bool], cap: int = 32) -> list[int]:
     """L_i: consecutive matches from position i (capped)."""
     runs, current = [0] * len(matches), 0
     for i in range(len(matches) - 1, -1, -1):

@@ -36,3 +36,21 @@ def test_replay_emits_every_token_and_restores_the_clock(serial):
     assert tokens == 63 and ks[-20:] == [0] * 20 and tokens / seconds > 0.9 / plain  # plain steps
     sd_tokens, sd_seconds = replay_policy.replay_sd(predictable, profile, 4)
     assert sd_tokens == 64 - 5 and sd_seconds > 0
+
+
+def test_replay_with_confidences_drafts_past_k_max_where_the_draft_is_sure():
+    """Recorded confidences: the policy as `draft_confidence=True` runs it. A sure, always-right draft speculates
+    past K_max (the stop rule's serial speculations); a hesitant, always-wrong one falls back to plain steps; every
+    token is emitted either way, and transformers' default schedule drafts while the draft is sure."""
+    profile = replay_policy.PROFILES["xeon-packed"]
+    plain = (profile["verify_all"][0] + profile["overhead"]) / 1e3
+    predictable = replay_policy.agreement_runs([True] * 63 + [False])
+    tokens, seconds, ks = replay_policy.replay_ssd(predictable, profile, 4, 1.0, True, confidence=[0.995] * 64)
+    assert tokens == 64 - 5 and max(ks) > 4 and tokens / seconds > 2.0 / plain
+    useless = [0] * 64
+    tokens, seconds, ks = replay_policy.replay_ssd(useless, profile, 4, 1.0, True, confidence=[0.05] * 64)
+    assert tokens == 63 and ks[-10:] == [0] * 10 and tokens / seconds > 0.9 / plain
+    sd_tokens, sd_seconds = replay_policy.replay_sd_default(predictable, [0.995] * 64, profile)
+    assert sd_tokens == 64 - 21 and sd_tokens / sd_seconds > 2.0 / plain  # 20 drafted in the first round
+    sd_tokens, sd_seconds = replay_policy.replay_sd_default(useless, [0.05] * 64, profile)
+    assert sd_tokens == 63 and sd_tokens / sd_seconds < 1 / plain  # one token drafted, and rejected, each round
