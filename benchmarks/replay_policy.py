@@ -124,6 +124,15 @@ def record(args) -> int:
     return 0
 
 
+def _at(curve: list[float], k: int) -> float:
+    """The profile's time at K = k; past its last point, on at the slope of its upper half."""
+    if k < len(curve):
+        return curve[k]
+    middle = len(curve) // 2
+    step = (curve[-1] - curve[middle]) / (len(curve) - 1 - middle) if len(curve) - 1 > middle else 0.0
+    return curve[-1] + max(step, 0.0) * (k - len(curve) + 1)
+
+
 def _draft_predictions(draft, ids: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """The draft's next-token distribution [len(output), V] at each output position, decoding one token at a time
     on its KV cache (see the module docstring)."""
@@ -193,7 +202,8 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
                                                                        confidence=held(spec_len)))
             policy.observe_verification([row], SimpleNamespace(verified=k, accepted=[accepted], scores=scores))
             idle = depth == 0
-            forward = (verify_all[k] if idle else verify[k] * (profile["contention"] if k == 0 else 1.0)) / 1e3
+            beside = _at(verify, k) * (profile["contention"] if k == 0 else 1.0)  # the target beside the working draft
+            forward = (_at(verify_all, k) if idle else beside) / 1e3
             drafted = depth * t_token if depth else 0.0
             wall = max(forward, drafted) + profile["overhead"] / 1e3
             miss = 0.0
@@ -244,7 +254,7 @@ def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
     while pos < len(agree):
         kk = min(k, len(agree) - pos - 1)
         accepted = min(agree[pos], kk)
-        wall = (kk * profile["draft_token_all"] + profile["verify_all"][kk] + profile["overhead"]) / 1e3
+        wall = (kk * profile["draft_token_all"] + _at(profile["verify_all"], kk) + profile["overhead"]) / 1e3
         pos += accepted + 1
         if not first:
             tokens, seconds = tokens + accepted + 1, seconds + wall
@@ -266,7 +276,7 @@ def replay_sd_default(agree: list[int], confidence: list[float], profile: dict, 
             if confidence[pos + k - 1] < threshold:
                 break
         accepted = min(agree[pos], k)
-        verify = verify_all[min(k, len(verify_all) - 1)]  # the curve is flat past its last point
+        verify = _at(verify_all, k)
         wall = ((fixed + (k - 1) * token) if k else 0.0) + verify + profile["overhead"]
         pos += accepted + 1
         if not first:

@@ -282,6 +282,37 @@ def test_stop_rule_prices_a_drafted_token_at_the_chosen_speed():
     assert _measured_policy(confidence=False).stop_rule() is None
 
 
+def test_a_calls_first_serial_speculation_is_priced_as_earlier_calls_measured_it():
+    """A serial speculation's further token is priced as this call measured it, else as earlier calls with this
+    draft did (`LookaheadMemory.serial_step`): a call's first serial speculations are no longer held to K_max while
+    its own drafting is untimed. Nothing remembered (another draft, a first call): no rule, the full length."""
+    from hf_ssd.generation.estimates import LookaheadMemory
+
+    memory = LookaheadMemory()
+    confidence = [torch.tensor([0.99, 0.99, 0.99])]
+    first = _measured_policy(confidence=True, memory=memory, draft_key=1)
+    first.choose(3, confidence=confidence)
+    first.serial = 8
+    assert first.stop_rule() is None and first.just_in_time() == (3, None)  # K_max deep
+    first.serial_fixed.add(0.05)
+    first.serial_token.add(0.03)
+    assert first.stop_rule().gain == pytest.approx(first._rate * 0.03, rel=1e-6)
+    first.metrics()
+    assert memory.serial_step[(1, first.setting)] == pytest.approx(0.03)
+    again = _measured_policy(confidence=True, memory=memory, draft_key=1)
+    again.choose(3, confidence=confidence)
+    again.serial = 8
+    serial, rule = again.just_in_time()
+    assert serial == 8 and rule.gain == pytest.approx(again._rate * 0.03, rel=1e-6)
+    again.serial_fixed.add(0.05)
+    again.serial_token.add(0.01)  # its own measurement replaces the remembered one
+    assert again.stop_rule().gain == pytest.approx(again._rate * 0.01, rel=1e-6)
+    other = _measured_policy(confidence=True, memory=memory, draft_key=2)
+    other.choose(3, confidence=confidence)
+    other.serial = 8
+    assert other.stop_rule() is None
+
+
 def test_stop_rule_prices_each_position_at_the_cost_curve_step_there():
     """A curve flat to three positions, then a jump (a packed target on one 2-core Xeon: K = 1, 2 at 240-250 ms,
     K = 3 at 450 ms): the second drafted token costs its draft step and 5 ms of verification, the third the jump.

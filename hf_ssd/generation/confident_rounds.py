@@ -88,10 +88,12 @@ class ConfidentRounds:
         that speed x (seconds per drafted token + what verifying it adds, the cost curve's step at its position:
         `position_costs`)), but not before two tokens while a_2 is uncertain enough that a second token might pay
         (a_1 x a_2's upper bound >= its gain: the module's comment). None without a calibration or before the
-        draft's cost per token is measured: then it drafts the full length."""
+        draft's cost per token is known (measured in this call; for a serial speculation also as earlier calls with
+        this draft measured it: the call's first serial speculations ran K_max deep, three rounds of 4 tokens on
+        code where the next ones ran 16, all accepted): then it drafts the full length (K_max in a serial round)."""
         if self.calibration is None or not self._rate:
             return None
-        per_token = self.serial_step() if self.serial else self.backup_token.value
+        per_token = (self.serial_step() or self.remembered_step) if self.serial else self.backup_token.value
         if per_token is None:
             return None
         depth = max(self.serial, self.k_max)

@@ -102,16 +102,16 @@ def memory_key(setting: tuple, rows: int, serial: bool = False) -> tuple:
 
 
 class LookaheadMemory:
-    """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time
-    per K for each setting (concurrent draft or not, target threads, active rows), each draft's pooled acceptance
-    and what its probes cost. A new call scales the remembered times by what it has measured itself (context and
-    machine load move them all), and does not explore a K already timed (a K >= 1 is timed again once
-    `RETIME_AFTER` rounds stale, a close plain step at once: `LookaheadPolicy._choose`). A time is served to later
-    calls once timed twice (`REMEMBER_AFTER`): a single timing may be a one-off (a process's first forwards, a busy
-    moment), and a remembered cost far above the best is never timed again (measured: one serial verification of 3
-    positions at 800 ms in a bench's 8-token warm-up, against 365 ms when timed later, kept every later call's
-    serial speculations one token deep on translation). Kept beside the target model (weakly: it goes with the
-    model)."""
+    """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time per K
+    for each setting (concurrent draft or not, target threads, active rows), each draft's pooled acceptance, what its
+    probes cost and what a further token of its just-in-time drafting costs. A new call scales the remembered times by
+    what it has measured itself (context and machine load move them all), and does not explore a K already timed (a K
+    >= 1 is timed again once `RETIME_AFTER` rounds stale, a close plain step at once: `LookaheadPolicy._choose`). A
+    time is served to later calls once timed twice (`REMEMBER_AFTER`): a single timing may be a one-off (a process's
+    first forwards, a busy moment), and a remembered cost far above the best is never timed again (measured: one serial
+    verification of 3 positions at 800 ms in a bench's 8-token warm-up, against 365 ms when timed later, kept every
+    later call's serial speculations one token deep on translation). Kept beside the target model (weakly: it goes with
+    the model)."""
 
     _by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -121,6 +121,7 @@ class LookaheadMemory:
         self.acceptance: dict[int, float] = {}  # draft key -> its pooled acceptance against this target
         self.calibration: dict[int, object] = {}  # draft key -> its `ConfidenceCalibration` against this target
         self.probe_cost: dict[tuple, float] = {}  # (draft key, setting) -> a probe's cost in plain steps
+        self.serial_step: dict[tuple, float] = {}  # (draft key, setting) -> seconds per further just-in-time token
 
     @classmethod
     def of(cls, model) -> LookaheadMemory:

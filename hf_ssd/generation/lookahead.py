@@ -109,6 +109,9 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         self.serial_token = DecayedMean(COST_DECAY)  # seconds per further token drafted just in time, on every core
         self.serial_fixed = DecayedMean(COST_DECAY)  # seconds of a serial speculation's fixed part and first token
         self.serial_length = DecayedMean(COST_DECAY)  # tokens a serial round drafts (fewer where it stops early)
+        # what earlier calls with this draft measured a further just-in-time token at: the stop rule's price until this
+        # call has measured its own (`stop_rule`)
+        self.remembered_step = memory.serial_step.get((draft_key, setting)) if memory is not None else None
         self.backup_token = DecayedMean(COST_DECAY)  # seconds per token of the draft backup (beside the target)
         # the cost curve's prior shape, only until measured (see `shape`); no knee given: never compute-bound
         self.jump, self.slope, self.knee = (*cost_shape, float("inf"))[:3]
@@ -472,6 +475,8 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             self.memory.acceptance[self.draft_key] = self.acceptance.pooled()
         if self.memory is not None and self.plain_round.value and self.probe_round.value is not None:
             self.memory.probe_cost[(self.draft_key, self.setting)] = self._probe_cost()
+        if self.memory is not None and self.serial_step() is not None:
+            self.memory.serial_step[(self.draft_key, self.setting)] = self.serial_step()
         return {"lookahead_per_round": [entry["k"] for entry in self.trace],
                 "fanout_budget_per_round": [entry.get("budget", self.fanout.current) if entry.get("depth", 1) else 0
                                             for entry in self.trace],
