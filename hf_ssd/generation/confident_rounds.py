@@ -93,7 +93,9 @@ class ConfidentRounds:
         code where the next ones ran 16, all accepted): then it drafts the full length (K_max in a serial round)."""
         if self.calibration is None or not self._rate:
             return None
-        per_token = (self.serial_step() or self.remembered_step) if self.serial else self.backup_token.value
+        per_token = self.serial_step() if self.serial else self.backup_token.value
+        if per_token is None and self.serial:
+            per_token = self.remembered_step
         if per_token is None:
             return None
         depth = max(self.serial, self.k_max)
