@@ -64,7 +64,6 @@ PROFILES = {
     "epyc-packed": dict(verify=[470, 600, 430, 490, 400, 420, 440, 460, 480],
                         verify_all=[345, 400, 350, 340, 300, 320, 340, 360, 400],
                         draft_token=110.0, draft_token_all=55.0, contention=1.19, overhead=3.0, flat=True),
-    # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
     # the 2-core Intel Xeon (AVX-512) with the target packed, from the 2026-12-05 nine-set bench traces at 40-800
     # tokens of context: serial verifications flat to 4 tokens, a 33 ms jump at 5; a concurrent verification on
     # one thread about twice a plain step; a serial speculation's first token 45 ms, each further one 42 ms
@@ -73,6 +72,7 @@ PROFILES = {
                                     443],
                         draft_token=60.0, draft_token_all=42.0, draft_fixed_all=45.0, contention=1.19, overhead=5.0,
                         flat=True),
+    # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
     "xeon": dict(verify=[417, 430, 441, 441, 830, 860, 1100, 1170, 1200],
                  verify_all=[245, 260, 270, 270, 500, 520, 660, 700, 720],
                  draft_token=58.0, draft_token_all=53.0, contention=1.19, overhead=5.0),
@@ -151,11 +151,10 @@ def _stopped_length(stop, confidence: list[float], start: int, cap: int) -> int:
     if stop is None or cap <= 0:
         return max(cap, 0)
     reach, rows = torch.ones(1), torch.tensor([True])
-    for i in range(cap):
-        if i + 1 < cap:
-            going, reach = stop.keeps_going(reach, torch.tensor([confidence[start + i]]), rows, i + 1)
-            if not going:
-                return i + 1
+    for i in range(cap - 1):  # after the cap-th token there is nothing left to decide
+        going, reach = stop.keeps_going(reach, torch.tensor([confidence[start + i]]), rows, i + 1)
+        if not going:
+            return i + 1
     return cap
 
 
@@ -249,12 +248,15 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
         lookahead_module.time = saved
 
 
-def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
+def _replay_sd_rounds(agree: list[int], profile: dict, drafted, fixed: float) -> tuple[float, float]:
+    """(decode tokens, decode seconds) of assisted generation drafting `drafted(pos, most)` tokens each round (at
+    most `most`), serially: the first token at `fixed` ms, each further one at the profile's `draft_token_all`."""
     pos, tokens, seconds, first = 0, 0, 0.0, True
     while pos < len(agree):
-        kk = min(k, len(agree) - pos - 1)
-        accepted = min(agree[pos], kk)
-        wall = (kk * profile["draft_token_all"] + _at(profile["verify_all"], kk) + profile["overhead"]) / 1e3
+        k = drafted(pos, len(agree) - pos - 1)
+        accepted = min(agree[pos], k)
+        draft = (fixed + (k - 1) * profile["draft_token_all"]) if k else 0.0
+        wall = (draft + _at(profile["verify_all"], k) + profile["overhead"]) / 1e3
         pos += accepted + 1
         if not first:
             tokens, seconds = tokens + accepted + 1, seconds + wall
@@ -262,27 +264,24 @@ def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
     return tokens, seconds
 
 
+def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
+    """SD at a fixed K (transformers' constant schedule, no confidence threshold)."""
+    return _replay_sd_rounds(agree, profile, lambda pos, most: min(k, most), profile["draft_token_all"])
+
+
 def replay_sd_default(agree: list[int], confidence: list[float], profile: dict, threshold: float = 0.4,
                       most: int = 20) -> tuple[float, float]:
     """transformers' default assisted generation: the assistant drafts while its confidence is at least
     `threshold`, up to `most` tokens (the round's first token always)."""
-    verify_all = profile["verify_all"]
-    fixed, token = profile.get("draft_fixed_all", profile["draft_token_all"]), profile["draft_token_all"]
-    pos, tokens, seconds, first = 0, 0, 0.0, True
-    while pos < len(agree):
+    def drafted(pos: int, left: int) -> int:
         k = 0
-        while k < min(most, len(agree) - pos - 1):
+        while k < min(most, left):
             k += 1
             if confidence[pos + k - 1] < threshold:
                 break
-        accepted = min(agree[pos], k)
-        verify = _at(verify_all, k)
-        wall = ((fixed + (k - 1) * token) if k else 0.0) + verify + profile["overhead"]
-        pos += accepted + 1
-        if not first:
-            tokens, seconds = tokens + accepted + 1, seconds + wall / 1e3
-        first = False
-    return tokens, seconds
+        return k
+
+    return _replay_sd_rounds(agree, profile, drafted, profile.get("draft_fixed_all", profile["draft_token_all"]))
 
 
 def replay(args) -> int:
@@ -366,7 +365,8 @@ def main(argv=None) -> int:
     rep.add_argument("--serial-lookahead", type=int, default=16, help="SSDConfig.max_serial_lookahead")
     rep.add_argument("--memory", action="store_true", help="one LookaheadMemory across prompts (as a bench run)")
     rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                     help="override a constant of hf_ssd.generation.lookahead or .probing (e.g. PROBE_EVERY=16)")
+                     help="override a constant of hf_ssd.generation.lookahead, .probing or .confidence (e.g. "
+                          "PROBE_EVERY=16)")
     rep.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     return record(args) if args.command == "record" else replay(args)
