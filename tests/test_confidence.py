@@ -20,6 +20,7 @@ from hf_ssd.generation.confidence import (
     ConfidenceCalibration,
     StopRule,
     bin_of,
+    confident_speed,
     expected_tokens_per_row,
 )
 from hf_ssd.generation.costs import FLAT_SHAPE
@@ -192,6 +193,85 @@ def test_stop_rule_crosses_processes_as_a_list():
 
 
 # --- this round's K from the speculation in hand -------------------------------------------------------------------
+
+
+def _ratio(share, first, after, verify, drafting, depths) -> float:
+    """E[tokens] / E[seconds] of serial rounds verifying depths[b] tokens after a first token in bin b."""
+    tokens = seconds = 0.0
+    for p, f1, fn, h in zip(share, first, after, depths):
+        tokens += p * (1.0 + sum(f1 * fn ** (i - 1) for i in range(1, h + 1)))
+        seconds += p * (verify[h] + drafting[max(h, 1) - 1])
+    return tokens / seconds
+
+
+def test_confident_speed_is_the_best_depth_per_confidence():
+    """The speed of serial rounds whose depth follows the first token's confidence is the best over every choice of
+    depth per bin (checked against all of them), at least each fixed depth's, and with a draft that is never
+    accepted below plain steps: its drafted first token is paid for and verified at no depth."""
+    verify = [0.25, 0.27, 0.28, 0.30, 0.45]  # h = 0..4 verified tokens (a jump at 4)
+    drafting = [0.05, 0.09, 0.13, 0.17]  # n = 1..4 drafted tokens
+    cases = [([0.3, 0.7], [0.95, 0.1], [0.9, 0.2]), ([1.0, 0.0], [0.5, 0.5], [0.5, 0.5]),
+             ([0.2, 0.3, 0.5], [1.0, 0.6, 0.0], [1.0, 0.7, 0.0])]
+    for share, first, after in cases:
+        speed = confident_speed(share, first, after, verify, drafting)
+        best = max(_ratio(share, first, after, verify, drafting, depths)
+                   for depths in itertools.product(range(len(verify)), repeat=len(share)))
+        assert speed == pytest.approx(best, rel=1e-6)
+        for h in range(len(verify)):
+            assert speed >= _ratio(share, first, after, verify, drafting, [h] * len(share)) - 1e-9
+    useless = confident_speed([1.0], [0.0], [0.0], verify, drafting)
+    assert useless == pytest.approx(1.0 / (verify[0] + drafting[0])) and useless < 1.0 / verify[0]
+    sure = confident_speed([1.0], [1.0], [1.0], verify, drafting)  # every token accepted: as deep as pays, short
+    assert sure == pytest.approx(4.0 / (verify[3] + drafting[2]))  # of the jump at 4 (its token costs 0.19 s)
+
+
+def _plain_or_serial(first_share: float) -> LookaheadPolicy:
+    """A serial-capable policy whose run's average acceptance (0.2 at every position) makes plain steps beat every
+    serial K, with every cost measured (nothing left to explore) and a calibration in which a share of first tokens
+    is sure (c = 0.99: taken, and the tokens after them too) and the rest hesitant (c = 0.01: rejected)."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.2, concurrent=True, cost_shape=FLAT_SHAPE,
+                             serial=True, confidence=True, serial_lookahead=8)
+    for k, seconds in {0: 0.25, 1: 0.45, 2: 0.46, 3: 0.47, 4: 0.48}.items():  # beside the working draft
+        policy.verify[k] = DecayedMean(0.5)
+        policy.verify[k].add(seconds)
+    for k in range(1, 9):  # on every core, the draft sitting out
+        policy.serial_verify[k] = DecayedMean(0.5)
+        policy.serial_verify[k].add(0.26 + 0.005 * k)
+    policy.serial_token.add(0.04)
+    policy.serial_fixed.add(0.05)
+    policy.draft.add(0.2)
+    policy.overhead.add(0.0)
+    policy._rounds = 3
+    policy.acceptance.reached = [10.0] * 9
+    policy.acceptance.passed = [2.0] * 9
+    for _ in range(round(20 * first_share)):
+        for position in range(4):
+            policy.calibration.add_at([0.99] * 4, position, 1.0)
+    for _ in range(round(20 * (1 - first_share))):
+        policy.calibration.add(0.01, 0.0, 0)
+    return policy
+
+
+def test_serial_speculation_is_priced_by_the_spread_of_the_drafts_confidence():
+    """Where the run's average acceptance says plain steps, but the draft is sure of some first tokens (taken, with
+    the ones after them) and hesitant about the rest, serial rounds that draft deep when sure and verify nothing when
+    not beat plain steps: the policy speculates (assisted generation's default, drafting while sure, caught 8-14
+    token runs in an mt_bench answer where the average kept plain steps for 25 tokens). With every first token
+    hesitant, it stays plain."""
+    some_sure = _plain_or_serial(0.3)
+    some_sure.choose(8)
+    entry = some_sure.trace[-1]
+    assert max(entry["serial_tok_s"].values()) < entry["tok_s"][0]  # the average alone: plain steps
+    assert entry["confident_serial_tok_s"] > 1.2 * entry["tok_s"][0]
+    assert entry["mode"] == "serial" and entry["wanted"] > 0
+    none_sure = _plain_or_serial(0.0)
+    none_sure.choose(8)
+    entry = none_sure.trace[-1]
+    assert entry["confident_serial_tok_s"] < entry["tok_s"][0]
+    assert entry["mode"] == "plain" and entry["k"] == 0
+    batch = _plain_or_serial(0.3)  # a batch: one K for all rows, the spread per row not priced
+    batch.choose(8, rows=2)
+    assert "confident_serial_tok_s" not in batch.trace[-1]
 
 
 def _measured_policy(**kwargs) -> LookaheadPolicy:

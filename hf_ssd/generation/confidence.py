@@ -220,3 +220,40 @@ class StopRule:
         bins, extra = len(EDGES) + 1, int(values[2])
         first, later, after = (tuple(values[3 + i * bins:3 + (i + 1) * bins]) for i in range(3))
         return cls(first, values[0], later, int(values[1]), tuple(values[3 + 3 * bins:3 + 3 * bins + extra]), after)
+
+
+def confident_speed(share: list[float], first: list[float], after: list[float], verify: list[float],
+                    drafting: list[float], rounds: int = 8) -> float:
+    """Tokens per second of serial rounds whose depth follows the draft's confidence: each round drafts its first
+    token, then as many more as pay (h = 0 verifies none: a plain step that paid for one drafted token).
+
+    `share[b]`: how often a speculation's first token falls in confidence bin b; `first[b]`: its acceptance there;
+    `after[b]`: a later token's after one of that confidence (the chain taken to stay in its bin); `verify[h]`:
+    seconds of a round verifying h tokens (h = 0..H, overhead included); `drafting[n - 1]`: seconds to draft n
+    tokens (n = 1..H). The best depth per bin and the speed it makes are found together (Dinkelbach's iteration on
+    the renewal ratio E[tokens] / E[seconds]: the depth that maximises tokens − speed × seconds at the current speed,
+    then the speed those depths make), starting from plain steps' speed."""
+    depths = len(verify)
+    speed = 1.0 / verify[0]
+    for _ in range(rounds):
+        tokens = seconds = 0.0
+        for p, f1, fn in zip(share, first, after):
+            if p <= 0:
+                continue
+            best = None
+            expected, reach = 1.0, f1
+            for h in range(depths):
+                if h:
+                    expected += reach
+                    reach *= fn
+                spent = verify[h] + drafting[max(h, 1) - 1]
+                value = expected - speed * spent
+                if best is None or value > best[0]:
+                    best = (value, expected, spent)
+            tokens += p * best[1]
+            seconds += p * best[2]
+        new = tokens / seconds
+        if abs(new - speed) <= 1e-9 * speed:
+            break
+        speed = new
+    return speed

@@ -100,6 +100,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         self._confidence: list | None = None  # this round's per-row draft confidences ([n] tensors or None)
         self._rate: float | None = None  # the expected tokens per second of the way chosen at the last decision
         self._confident_speeds: dict[int, float] | None = None  # this round's speeds per K from its confidences
+        self._serial_speed: float | None = None  # this round's serial speed as deep as confidence makes worth it
         self._active_rows = 1
         # per active rows (a forward's cost moves with the rows it covers): K -> DecayedMean of the target forward
         # seconds (K = 0: a plain step, on every core) and of a verification on every core while the draft sits it
@@ -228,6 +229,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         serially (it drafts after it, on every core) or not at all (plain steps)."""
         self._mode = CONCURRENT
         self._confident_speeds = None
+        self._serial_speed = None
         deep, limit = limit, min(limit, self.k_max)  # deeper only for a serial round's speculation in hand
         if not self.adaptive:
             self._record(limit, None, "constant")
@@ -262,8 +264,11 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         self._wanted = _best(speeds, margin)
         self._mode = CONCURRENT if self._wanted else PLAIN
         best_serial = max(serial_speeds, key=serial_speeds.get) if serial_speeds else None
-        if best_serial is not None and serial_speeds[best_serial] > speeds[self._wanted] and (
-                0 not in speeds or serial_speeds[best_serial] >= margin * speeds[0]):
+        # serial rounds as deep as the draft's confidence makes worth it, not at the average acceptance
+        self._serial_speed = self.confident_serial_speed(table, serial_table) if serial_speeds else None
+        serial_top = max(serial_speeds[best_serial], self._serial_speed or 0.0) if serial_speeds else 0.0
+        if best_serial is not None and serial_top > speeds[self._wanted] and (
+                0 not in speeds or serial_top >= margin * speeds[0]):
             self._wanted, self._mode = best_serial, SERIAL
         # this round: a K of the wanted kind (or a plain step) within what was prepared
         if self._mode == SERIAL:
@@ -354,6 +359,8 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             entry["draft_ms"] = round(1e3 * (self.draft.value or 0.0), 2)
             entry["overhead_ms"] = round(1e3 * (self.overhead.value or 0.0), 2)
             entry["hit_rate"] = None if self.hit_rate.value is None else round(self.hit_rate.value, 3)
+        if self._serial_speed is not None:
+            entry["confident_serial_tok_s"] = round(self._serial_speed, 2)
         if self._confident_speeds:
             entry["confident_tok_s"] = {n: round(v, 2) for n, v in self._confident_speeds.items()}
         if serial_speeds:
