@@ -85,7 +85,9 @@ class SSDMetrics:
     covered (`rows`), its target forward (`forward_ms`) and its whole time (`round_ms`); where just-in-time
     drafting had a stop rule, the gain each further token had to bring (`stop_gain`), the calibrated acceptance per
     confidence bin of a speculation's first and later tokens and of the token after one of that confidence
-    (`stop_tables`) and `at_least` when a second token was drafted to sample a_2.
+    (`stop_tables`) and `at_least` when a second token was drafted to sample a_2; for a single row with serial
+    rounds possible, `confident_serial_tok_s`: their speed as deep as the draft's confidence makes worth it, what the
+    serial mode was weighed at against plain steps when it beat the average acceptance's serial speeds.
     `fanout_budget_per_round` is how many branches per row the draft prepared beside each verification
     (`fanout_budget_schedule="adaptive"` chooses it every round; 0 while paused); the decisions record it
     (`budget`) and, where it was decided, the predicted tokens per second of each budget considered

@@ -581,3 +581,49 @@ def test_confidences_arrive_where_known_and_only_there(monkeypatch, executor):
                     assert len(confidence) == length and all(0.0 < c <= 1.0 for c in confidence), (source, confidence)
             if backup == "ngram" and tracked:
                 assert any(source == "ngram" for source, _, _ in seen)
+
+
+def _serial_priced_sure(monkeypatch):
+    """The confident pricing of serial speculation forced to win wherever it applies (a single row, serial rounds
+    possible): serial rounds, a plain step among them whenever the speculation in hand is not worth verifying."""
+    from hf_ssd.generation.confident_rounds import ConfidentRounds
+
+    priced = []
+
+    def sure(self, table, serial_table):
+        applies = self.calibration is not None and self.serial_option and self._active_rows == 1
+        priced.append(applies)
+        return 1e9 if applies else None
+
+    monkeypatch.setattr(ConfidentRounds, "confident_serial_speed", sure)
+    return priced
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_greedy_identical_when_the_spread_of_confidence_keeps_serial_rounds(monkeypatch, executor):
+    """Unscripted, a draft that rarely agrees: where the average would step plainly, the confident pricing keeps
+    serial rounds, most verifying nothing (a plain step with the next speculation drafted after it)."""
+    _serial_priced_sure(monkeypatch)
+    target, draft = tiny_pair()
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(15))
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    out = target.generate(ids, assistant_model=draft, max_new_tokens=24, do_sample=False, pad_token_id=0,
+                          ssd_config=SSDConfig(lookahead=3, executor=executor))
+    assert torch.equal(out, expected)
+    decisions = target.ssd_metrics.lookahead_decisions
+    serial = [e for e in decisions[1:] if e["mode"] == "serial"]
+    assert len(serial) >= len(decisions) // 2 and any(e["k"] == 0 for e in serial), decisions
+    assert all(e["mode"] != "plain" for e in decisions[1:] if "confident_serial_tok_s" in e), decisions
+
+
+def test_sampling_law_when_the_spread_of_confidence_keeps_serial_rounds(monkeypatch, law_models):  # noqa: F811
+    """The sampling law with serial rounds kept by the confident pricing (plain steps, speculations stopped by the
+    learnt rule and verified at the K their confidences pay), Saguaro C < 1."""
+    priced = _serial_priced_sure(monkeypatch)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="thread")
+    counts, hits, misses = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=133)
+    pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
+    print(f"p-values {pvalues}, hits {hits}, misses {misses}, rounds priced {sum(priced)}")
+    assert sum(priced) >= SAMPLES // 2  # the pricing decided rounds in most calls, not only in a few
+    assert min(pvalues.values()) >= ALPHA, pvalues

@@ -9,7 +9,7 @@ first token and for the tokens after it (`FIRST`, `LATER`): acceptance comes in 
 predecessors were all accepted is accepted more often than the first one at the same confidence (measured on the real
 pair, translation prompts: a_1 0.4-0.6, a_2..a_5 0.6-0.9 given the ones before accepted); one table for both priced
 every later token at the first one's odds and stopped drafting one or two tokens deep where SD's fixed K = 4 had its
-four accepted. The lookahead policy uses f twice:
+four accepted. The lookahead policy uses f three times:
 
 * how many of this round's drafted tokens to verify: E(K) = 1 + Σ_{i<=K} Π_{j<=i} f_j(c_j) of the speculation in hand
   (f_1 the first token's table, f_j the later one's; per row, averaged over a batch's rows) instead of the run's
@@ -20,7 +20,10 @@ four accepted. The lookahead policy uses f twice:
   f_next(c): how often a token after one of confidence c is accepted, the `NEXT` table, learnt from every later
   token's sample by its predecessor's confidence, since the next token's own confidence is known only once it is
   drafted), is worth its cost (`StopRule`), as transformers' `assistant_confidence_threshold` stops its assistant,
-  but with the threshold learnt and priced rather than fixed.
+  but with the threshold learnt and priced rather than fixed;
+* what serial speculation is worth against plain steps (`confident_speed`): serial rounds draft deep where the first
+  token is sure and verify nothing where it is not, so their speed is priced per first-token confidence bin,
+  weighted by how often the draft's first tokens fall in it, not at the run's average acceptance.
 
 Which tokens get verified and how many get drafted depend only on the draft's side (its tokens and their
 probabilities), never on the target's draws: verification stays exact, whatever is chosen.
