@@ -75,17 +75,10 @@ class ConfidentRounds:
         if any(t is None for t in verify):
             return None
         overhead = max(self.overhead.value or 0.0, 0.0)
-        drafting = [self._drafting_seconds(n) for n in range(1, depth + 1)]
+        drafting = [self.serial_drafting_seconds(n, self.remembered_step) for n in range(1, depth + 1)]
         first, later = self.confidence_tables()
         after = calibration.next_table(later)
         return confident_speed([c / total for c in counts], first, after, [t + overhead for t in verify], drafting)
-
-    def _drafting_seconds(self, n: int) -> float:
-        """A serial speculation of n tokens as `serial_drafting_seconds` prices it, the remembered step standing in
-        for this call's until measured."""
-        if self.serial_step() is None and self.remembered_step is not None and self.serial_fixed.value is not None:
-            return self.serial_fixed.value + (n - 1) * self.remembered_step
-        return self.serial_drafting_seconds(n)
 
     def _round_acceptance(self, limit: int) -> torch.Tensor | None:
         """f(c) of the first `limit` tokens of every active row's speculation [rows, limit]; None when the policy does

@@ -77,11 +77,14 @@ class RoundCosts:
         step, fixed = self.serial_token.value, self.serial_fixed.value
         return step if step is None or fixed is None else min(step, fixed)
 
-    def serial_drafting_seconds(self, n: float) -> float:
+    def serial_drafting_seconds(self, n: float, unmeasured_step: float | None = None) -> float:
         """A serial speculation of n tokens drafted just in time: its fixed cost (the committed tokens fed with the
-        first token's forward, the cache's compaction, the bookkeeping) and a step per further token, as measured;
-        until then, per token as measured on average, else as a backup's or a tree step's."""
+        first token's forward, the cache's compaction, the bookkeeping) and a step per further token, as measured
+        (the step, until measured, `unmeasured_step` where given: what earlier calls measured it at); until then, per
+        token as measured on average, else as a backup's or a tree step's."""
         step = self.serial_step()
+        if step is None:
+            step = unmeasured_step
         fixed = self.serial_fixed.value
         if step is None or fixed is None:
             per_token = step or fixed

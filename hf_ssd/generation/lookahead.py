@@ -263,13 +263,13 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
                          acceptance, speeds, serial_speeds)
         self._wanted = _best(speeds, margin)
         self._mode = CONCURRENT if self._wanted else PLAIN
-        best_serial = max(serial_speeds, key=serial_speeds.get) if serial_speeds else None
-        # serial rounds as deep as the draft's confidence makes worth it, not at the average acceptance
-        self._serial_speed = self.confident_serial_speed(table, serial_table) if serial_speeds else None
-        serial_top = max(serial_speeds[best_serial], self._serial_speed or 0.0) if serial_speeds else 0.0
-        if best_serial is not None and serial_top > speeds[self._wanted] and (
-                0 not in speeds or serial_top >= margin * speeds[0]):
-            self._wanted, self._mode = best_serial, SERIAL
+        if serial_speeds:
+            best_serial = max(serial_speeds, key=serial_speeds.get)
+            # serial rounds as deep as the draft's confidence makes worth it, not at the average acceptance
+            self._serial_speed = self.confident_serial_speed(table, serial_table)
+            serial_top = max(serial_speeds[best_serial], self._serial_speed or 0.0)
+            if serial_top > speeds[self._wanted] and (0 not in speeds or serial_top >= margin * speeds[0]):
+                self._wanted, self._mode = best_serial, SERIAL
         # this round: a K of the wanted kind (or a plain step) within what was prepared
         if self._mode == SERIAL:
             limit = deep
