@@ -72,6 +72,14 @@ PROFILES = {
                                     443],
                         draft_token=60.0, draft_token_all=42.0, draft_fixed_all=45.0, contention=1.19, overhead=5.0,
                         flat=True),
+    # a 2-core Xeon (AMX) where `--target-precision auto` kept MKL's fp32 kernels, from the 2026-12-05 nine-set bench
+    # traces of the fourteenth session (median serial verifications at 40-800 tokens of context): 1-3 positions cost
+    # about one plain step, 4-6 twice that, 7-9 2.8x; one beside the working draft measured at 2 and 4 tokens (497, 920
+    # ms), the others scaled from the serial ones by that ratio; a serial speculation's first token 44 ms, the next 41
+    "xeon-mkl": dict(verify=[500, 500, 500, 920, 920, 950, 1250, 1260, 1280, 1560, 1600, 1610, 1630, 1650, 1670, 1680,
+                             1700],
+                     verify_all=[246, 270, 274, 476, 491, 514, 675, 682, 693, 845, 864, 870, 880, 890, 900, 910, 920],
+                     draft_token=60.0, draft_token_all=41.0, draft_fixed_all=44.0, contention=1.19, overhead=5.0),
     # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
     "xeon": dict(verify=[417, 430, 441, 441, 830, 860, 1100, 1170, 1200],
                  verify_all=[245, 260, 270, 270, 500, 520, 660, 700, 720],
@@ -284,6 +292,17 @@ def replay_sd_default(agree: list[int], confidence: list[float], profile: dict, 
     return _replay_sd_rounds(agree, profile, drafted, profile.get("draft_fixed_all", profile["draft_token_all"]))
 
 
+def warm_up(run: dict, profile: dict, k_max: int, hit_rate: float, serial: bool, memory, tokens: int,
+            confidence: list[float] | None = None, serial_lookahead: int = 16) -> None:
+    """The bench's warm-up call before the measured ones (`BenchSettings.warmup_tokens` new tokens of the first
+    prompt, SSD's run through the same `LookaheadMemory`): what the first measured call starts from. The first prompt's
+    opening is often its hardest stretch (translation's first tokens), and the policy remembers it: on the real pair
+    the measured call on translation's first prompt started at a_1 = 0.38 where a fresh policy assumes 0.75."""
+    agree = run["agree"][:tokens]
+    replay_ssd(agree, profile, k_max, hit_rate, serial, memory,
+               None if confidence is None else confidence[:tokens], serial_lookahead)
+
+
 def replay(args) -> int:
     runs = json.loads(Path(args.runs).read_text())["runs"]
     for assignment in args.set:  # a variant of the policy: one of its modules' constants changed
@@ -295,6 +314,9 @@ def replay(args) -> int:
         setattr(module, name, type(getattr(module, name))(value))
     profile = PROFILES[args.profile]
     memory = lookahead_module.LookaheadMemory() if args.memory else None
+    if memory is not None and args.warm_up and runs:
+        warm_up(runs[0], profile, args.lookahead, args.hit_rate, not args.no_serial, memory, args.warm_up,
+                None if args.no_confidence else runs[0].get("confidence"), args.serial_lookahead)
     by_set: dict[str, dict[str, list[float]]] = {}
     for run in runs:
         agree = run["agree"][: args.max_new_tokens]
@@ -364,6 +386,9 @@ def main(argv=None) -> int:
                      help="leave the recorded confidences out (the policy as draft_confidence=False runs it)")
     rep.add_argument("--serial-lookahead", type=int, default=16, help="SSDConfig.max_serial_lookahead")
     rep.add_argument("--memory", action="store_true", help="one LookaheadMemory across prompts (as a bench run)")
+    rep.add_argument("--warm-up", type=int, default=8, metavar="TOKENS",
+                     help="with --memory: the bench's warm-up call first (this many tokens of the first prompt; "
+                          "0: none)")
     rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                      help="override a constant of hf_ssd.generation.lookahead, .probing or .confidence (e.g. "
                           "PROBE_EVERY=16)")

@@ -54,3 +54,17 @@ def test_replay_with_confidences_drafts_past_k_max_where_the_draft_is_sure():
     assert sd_tokens == 64 - 21 and sd_tokens / sd_seconds > 2.0 / plain  # 20 drafted in the first round
     sd_tokens, sd_seconds = replay_policy.replay_sd_default(useless, [0.05] * 64, profile)
     assert sd_tokens == 63 and sd_tokens / sd_seconds < 1 / plain  # one token drafted, and rejected, each round
+
+
+def test_warm_up_leaves_the_first_prompts_opening_in_the_memory():
+    """The bench's warm-up call runs through the same `LookaheadMemory` as the measured calls: a hard opening
+    (every drafted token rejected) leaves a remembered acceptance below a fresh policy's prior, an easy one above."""
+    profile = replay_policy.PROFILES["xeon-packed"]
+    hard = {"agree": [0] * 64, "confidence": [0.3] * 64}
+    easy = {"agree": replay_policy.agreement_runs([True] * 64), "confidence": [0.99] * 64}
+    remembered = {}
+    for name, run in (("hard", hard), ("easy", easy)):
+        memory = lookahead_module.LookaheadMemory()
+        replay_policy.warm_up(run, profile, 4, 1.0, True, memory, 8, run["confidence"])
+        remembered[name] = memory.acceptance[1]
+    assert remembered["hard"] < 0.75 < remembered["easy"], remembered
