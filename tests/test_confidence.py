@@ -279,21 +279,20 @@ def test_stop_rule_prices_time_no_higher_than_serial_rounds_make():
     its speed high; but a sure token is followed by a taken one only half the time (the `NEXT` table), so serial rounds
     drafted as the confidence pays make less. The stop rule prices a drafted token's time at that speed, not at the
     deepest K's, which speculations it stops short of never make (on code: two tokens deep every round, all taken)."""
-    policy = _plain_or_serial(1.0)
-    policy.acceptance.passed = [9.5] * 9  # a = 0.95 at every position
-    for _ in range(40):
-        policy.calibration.add_at([0.99, 0.99], 1, 0.5)  # after a sure token, the next taken half the time
-    policy.choose(8)
-    policy.serial = 8  # this round's speculation drafted just in time (`depth` sets it in the loop)
+    def sure_then_half(rows: int) -> LookaheadPolicy:
+        policy = _plain_or_serial(1.0)
+        policy.acceptance.passed = [9.5] * 9  # a = 0.95 at every position
+        for _ in range(40):
+            policy.calibration.add_at([0.99, 0.99], 1, 0.5)  # after a sure token, the next taken half the time
+        policy.choose(8, rows=rows)
+        policy.serial = 8  # this round's speculation drafted just in time (`depth` sets it in the loop)
+        return policy
+
+    policy = sure_then_half(1)
     assert policy._mode == "serial" and policy._serial_speed < policy._rate
     rule = policy.stop_rule()
     assert rule.gain == pytest.approx(policy._serial_speed * policy.serial_step(), rel=1e-6)
-    batch = _plain_or_serial(1.0)  # a batch: the spread of confidence not priced, the chosen speed
-    batch.acceptance.passed = [9.5] * 9
-    for _ in range(40):
-        batch.calibration.add_at([0.99, 0.99], 1, 0.5)
-    batch.choose(8, rows=2)
-    batch.serial = 8
+    batch = sure_then_half(2)  # a batch: the spread of confidence not priced, the chosen speed
     assert batch._serial_speed is None
     assert batch.stop_rule().gain == pytest.approx(batch._rate * batch.serial_step(), rel=1e-6)
 
