@@ -162,11 +162,11 @@ def demo(args) -> int:
     import torch
 
     from . import SSDConfig, enable_ssd
-    from .precision import apply_precision, count_parameters, resolve_precision
+    from .precision import apply_precision, count_parameters, decide_precision, describe_decision
 
     target, draft, tokenizer = _load_pair(args)
-    args.target_precision = resolve_precision(target, args.target_precision,
-                                              (args.lookahead or SSDConfig().lookahead) + 1)
+    args.target_precision, speedup = decide_precision(target, args.target_precision,
+                                                      (args.lookahead or SSDConfig().lookahead) + 1)
     if draft is target and args.draft_precision != args.target_precision:
         draft = copy.deepcopy(target)
     target = enable_ssd(apply_precision(target, args.target_precision))
@@ -233,8 +233,8 @@ def demo(args) -> int:
     rows_alike = sum(torch.equal(p, s) for p, s in zip(plain, ssd))
     assisted_alike = torch.equal(assisted[0], plain) if args.batch_size == 1 else None
     print(f"target: {type(target).__name__} {count_parameters(target) / 1e6:.1f}M params "
-          f"({args.target_precision}); draft: {count_parameters(draft) / 1e6:.1f}M params ({args.draft_precision}); "
-          f"batch size {args.batch_size}")
+          f"({describe_decision(args.target_precision, speedup)}); "
+          f"draft: {count_parameters(draft) / 1e6:.1f}M params ({args.draft_precision}); batch size {args.batch_size}")
     print(f"config: {config.to_json_string()}; SSD ran on executor {metrics.executor!r}"
           + (f" (its worker process started in {worker_s:.1f}s, once per interpreter)" if worker_s else ""))
     batch_note = " (batched)" if args.batch_size > 1 else ""

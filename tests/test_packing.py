@@ -74,3 +74,23 @@ def test_a_packed_target_starts_from_a_flat_cost_prior():
 
     assert prior_cost_shape(tiny_model("llama")) == CPU_SHAPE
     assert prior_cost_shape(pack_linear_layers(tiny_model("llama"))) == FLAT_SHAPE
+
+
+def test_the_auto_precision_says_what_it_was_decided_on(monkeypatch):
+    """"auto" returns the ratios it measured with its answer, and a readable line names them and the rule; a named
+    precision measures nothing. Near the one-row bound the answer flips with the measurement: runs to be compared
+    name the precision."""
+    from hf_ssd import packing
+    from hf_ssd.precision import decide_precision, describe_decision
+
+    model = tiny_model("llama")
+    for one_row, expected in ((0.91, "fp32-packed"), (0.89, "fp32")):
+        monkeypatch.setattr(packing, "packing_speedup", lambda m, rows, r=one_row: {1: r, rows: 1.3})
+        precision, ratios = decide_precision(model, "auto", 5)
+        assert precision == expected and ratios == {1: one_row, 5: 1.3}
+    line = describe_decision(precision, ratios)
+    assert line.startswith("fp32 (auto:") and "1.30x at 5 rows" in line and "0.89x at 1 row" in line, line
+    assert decide_precision(model, "fp32", 5) == ("fp32", {}) and describe_decision("fp32", {}) == "fp32"
+    assert decide_precision(model.to(torch.bfloat16), "auto", 5) == ("fp32", {})  # not packable: nothing measured
+    with pytest.raises(ValueError, match="precision='fp16' is invalid"):
+        decide_precision(model, "fp16", 5)

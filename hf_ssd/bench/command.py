@@ -110,11 +110,13 @@ def load_models(target_name: str, draft_name: str, target_precision: str, draft_
 
     from ..generation import enable_ssd
     from ..models import resolve_model
-    from ..precision import apply_precision, resolve_precision
+    from ..precision import apply_precision, decide_precision, describe_decision
 
     target_path = resolve_model(target_name)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    target_precision = resolve_precision(target, target_precision, rows)
+    target_precision, speedup = decide_precision(target, target_precision, rows)
+    if speedup:  # "auto" decided here: say on what, since a machine near the bound decides differently per run
+        print(f"target precision: {describe_decision(target_precision, speedup)}", file=sys.stderr, flush=True)
     if draft_name == "random":
         draft_path, draft = "random", random_draft_like(target)
     else:
@@ -130,7 +132,8 @@ def load_models(target_name: str, draft_name: str, target_precision: str, draft_
     target = enable_ssd(quantized_target)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     info = {"models": {
-        "target": {**model_info(target, target_name, target_precision, t_params), "path": str(target_path)},
+        "target": {**model_info(target, target_name, target_precision, t_params), "path": str(target_path),
+                   **({"packing_speedup": {str(r): round(v, 3) for r, v in speedup.items()}} if speedup else {})},
         "draft": {**model_info(draft, draft_name, draft_precision, d_params), "path": str(draft_path)},
     }}
     return target, draft, tokenizer, info

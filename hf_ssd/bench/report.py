@@ -243,6 +243,12 @@ def render_markdown(results: Mapping[str, Any]) -> str:
 def _model_text(info: Mapping[str, Any] | None) -> str:
     if not info:
         return "?"
-    return f"{info.get('name')} ({info.get('params', 0) / 1e6:.0f}M params, {info.get('precision')})"
+    precision = info.get("precision")
+    speedup = info.get("packing_speedup")
+    if speedup:  # "auto" decided it: on what
+        from ..precision import describe_decision
+
+        precision = describe_decision(precision, {int(r): v for r, v in speedup.items()})
+    return f"{info.get('name')} ({info.get('params', 0) / 1e6:.0f}M params, {precision})"
 
 
