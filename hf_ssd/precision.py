@@ -27,8 +27,8 @@ TARGET_PRECISIONS = ("auto", *PRECISIONS)  # "auto": fp32-packed where it measur
 
 def resolve_precision(model: torch.nn.Module, precision: str, rows: int) -> str:
     """`precision`, with "auto" decided on this machine: "fp32-packed" when the packed kernel measures faster on
-    `model`'s largest layer for a verification's `rows` (K+1) and no slower for one row (`packing.should_pack`),
-    else "fp32"."""
+    `model`'s largest Linear layers for a verification's `rows` (K+1) and at most 10 % slower for one row
+    (`packing.packing_decision`), else "fp32"."""
     return decide_precision(model, precision, rows)[0]
 
 
