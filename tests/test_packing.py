@@ -94,3 +94,20 @@ def test_the_auto_precision_says_what_it_was_decided_on(monkeypatch):
     assert decide_precision(model.to(torch.bfloat16), "auto", 5) == ("fp32", {})  # not packable: nothing measured
     with pytest.raises(ValueError, match="precision='fp16' is invalid"):
         decide_precision(model, "fp16", 5)
+
+
+def test_the_probe_reads_the_largest_layers_up_to_its_byte_bound(monkeypatch):
+    """The probe passes over the largest Linear layers (the head apart) until they hold `PROBE_BYTES`, so that on a
+    real model its weights come from memory as a forward's do; a small model's whole body is read."""
+    from hf_ssd import packing
+
+    model = tiny_model("llama")
+    head = model.get_output_embeddings()
+    body = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+    assert set(packing._probe_layers(model)) == set(body)  # under the bound: all of them
+    largest = max(m.weight.numel() for m in body) * 4
+    monkeypatch.setattr(packing, "PROBE_BYTES", largest + 1)
+    chosen = packing._probe_layers(model)
+    sizes = [m.weight.numel() for m in chosen]
+    assert len(chosen) == 2 and head not in chosen and sizes == sorted(sizes, reverse=True)
+    assert sizes[0] == max(m.weight.numel() for m in body)
