@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 
 import pytest
@@ -448,8 +449,11 @@ def test_cli_demo_runs_and_checks_identity(capsys, batch_size):
     captured = capsys.readouterr()
     out = captured.out
     assert f"SSD identical to plain greedy: {batch_size}/{batch_size} rows" in out and "tok/s" in out
-    # the target's precision "auto" resolves on this machine: fp32, or fp32 through oneDNN's packed kernels
-    assert ("params (fp32)" in out or "params (fp32-packed)" in out) and "params (int8)" in out
+    # the target's precision "auto" resolves on this machine: fp32, or fp32 through oneDNN's packed kernels, and the
+    # demo says on what it decided
+    decided = re.search(r"params \((fp32|fp32-packed), auto: the packed kernel [0-9.]+x at [0-9]+ rows, "
+                        r"[0-9.]+x at 1 row ", out)
+    assert decided and "params (int8)" in out, out
     assert "10.0M params (int8)" in out  # the int8 draft's quantized layers are counted
     assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]  # no third-party warnings
     assert all(f"{step}:" in captured.err for step in ("plain greedy", "SSD"))  # a progress bar per step

@@ -439,7 +439,7 @@ def test_the_report_names_what_auto_decided_the_targets_precision_on():
     from hf_ssd.bench.report import _model_text
 
     decided = {"name": "t", "params": 2e6, "precision": "fp32-packed", "packing_speedup": {"1": 0.91, "5": 1.31}}
-    assert _model_text(decided) == ("t (2M params, fp32-packed (auto: the packed kernel 1.31x at 5 rows, 0.91x at 1 "
+    assert _model_text(decided) == ("t (2M params, fp32-packed, auto: the packed kernel 1.31x at 5 rows, 0.91x at 1 "
                                     "row of MKL's speed; packs where faster at the verification's rows and >= 0.9x at "
-                                    "one))")
+                                    "one)")
     assert _model_text({"name": "t", "params": 2e6, "precision": "fp32"}) == "t (2M params, fp32)"

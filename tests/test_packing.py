@@ -89,7 +89,7 @@ def test_the_auto_precision_says_what_it_was_decided_on(monkeypatch):
         precision, ratios = decide_precision(model, "auto", 5)
         assert precision == expected and ratios == {1: one_row, 5: 1.3}
     line = describe_decision(precision, ratios)
-    assert line.startswith("fp32 (auto:") and "1.30x at 5 rows" in line and "0.89x at 1 row" in line, line
+    assert line.startswith("fp32, auto:") and "1.30x at 5 rows" in line and "0.89x at 1 row" in line, line
     assert decide_precision(model, "fp32", 5) == ("fp32", {}) and describe_decision("fp32", {}) == "fp32"
     assert decide_precision(model.to(torch.bfloat16), "auto", 5) == ("fp32", {})  # not packable: nothing measured
     with pytest.raises(ValueError, match="precision='fp16' is invalid"):
