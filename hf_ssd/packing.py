@@ -107,10 +107,11 @@ def pack_linear_layers(model: nn.Module) -> nn.Module:
 
 
 # The probe's layers hold at least this many bytes of weights (or all of the model's, where it has fewer): more than
-# a CPU's last-level cache, so that each call reads its weights from memory, as a forward does. One layer of the
-# 1.5B target (55 MB) timed over and over stayed in a 2-core Xeon's cache and read 0.84-0.92x at one row, whole plain
-# steps about 0.9x: the decision flipped from run to run. The packed copies live only during the probe.
-PROBE_BYTES = 512 << 20
+# a CPU's last-level cache (a 2-core cloud Xeon reports 480 MiB of L3), so that each call reads its weights from
+# memory, as a forward does. One layer of the 1.5B target (55 MB) timed over and over stayed in that Xeon's cache and
+# read 0.84-0.92x at one row, whole plain steps about 0.9x: the decision flipped from run to run. The packed copies
+# live only during the probe.
+PROBE_BYTES = 1 << 30
 
 
 def _probe_layers(model: nn.Module) -> list[nn.Linear]:
