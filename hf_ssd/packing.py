@@ -170,8 +170,3 @@ def packing_decision(model: nn.Module, rows: int) -> tuple[bool, dict[int, float
         return False, {}
     ratios = packing_speedup(model, rows)
     return bool(ratios) and ratios.get(rows, 0.0) > 1.0 and ratios.get(1, 0.0) >= PACK_AT_ONE_ROW, ratios
-
-
-def should_pack(model: nn.Module, rows: int) -> bool:
-    """Whether packing pays for `model` here (`packing_decision`)."""
-    return packing_decision(model, rows)[0]

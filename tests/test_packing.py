@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model, tiny_pair
 
 from hf_ssd import SSDConfig
-from hf_ssd.packing import PackedLinear, pack_linear_layers, packing_available, packing_speedup, should_pack
+from hf_ssd.packing import PackedLinear, pack_linear_layers, packing_available, packing_decision, packing_speedup
 from hf_ssd.precision import apply_precision, count_parameters
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -61,7 +61,7 @@ def test_packing_refuses_what_it_cannot_run():
         layer(torch.randn(1, layer.in_features, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="for inference"):
         layer(torch.randn(1, layer.in_features, requires_grad=True))
-    assert not should_pack(tiny_model("llama").to(torch.bfloat16), rows=5)
+    assert not packing_decision(tiny_model("llama").to(torch.bfloat16), rows=5)[0]
 
 
 def test_packing_speedup_is_measured_on_the_model():

@@ -102,7 +102,7 @@ def random_draft_like(target, layers: int = 2, hidden: int = 256, seed: int = 0)
 
 def load_models(target_name: str, draft_name: str, target_precision: str, draft_precision: str, rows: int = 5):
     """(target with SSD enabled, draft, tokenizer, info) from short names, hub ids or folders; a target precision of
-    "auto" is decided for verifications of `rows` positions (`precision.resolve_precision`)."""
+    "auto" is decided for verifications of `rows` positions (`precision.decide_precision`)."""
     import copy
 
     import torch

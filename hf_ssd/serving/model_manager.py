@@ -7,6 +7,7 @@ it, with the same device and dtype, outside the manager's cache (`/v1/models` an
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from transformers.cli.serving.model_manager import ModelManager
@@ -16,7 +17,9 @@ from ..generation import enable_ssd
 from ..generation.checks import check_vocabulary, model_vocab_size
 from ..models import resolve_model
 from ..packing import PackedLinear, pack_linear_layers
-from ..precision import apply_precision, resolve_precision
+from ..precision import apply_precision, decide_precision, describe_decision
+
+logger = logging.getLogger(__name__)
 
 SERVED_TARGET_PRECISIONS = ("auto", "fp32", "fp32-packed")  # in place (int8 would replace the cached model)
 
@@ -71,7 +74,10 @@ class SSDModelManager(ModelManager):
         model, processor = super().load_model_and_processor(model_id_and_revision, *args, **kwargs)
         if self.target_precision != "fp32" and not any(isinstance(m, PackedLinear) for m in model.modules()):
             lookahead = 4  # verifications of K + 1 = 5 positions: SSDConfig's K at most
-            if resolve_precision(model, self.target_precision, lookahead + 1) == "fp32-packed":
+            precision, speedup = decide_precision(model, self.target_precision, lookahead + 1)
+            if speedup:  # "auto" decided here: say on what, as the demo and the bench do
+                logger.info("target precision: %s", describe_decision(precision, speedup))
+            if precision == "fp32-packed":
                 pack_linear_layers(model)  # in place: the cached model is the packed one
         if self.draft_name is not None:
             enable_ssd(model)  # idempotent; again after a `/reset` reloaded the target
