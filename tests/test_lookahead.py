@@ -994,6 +994,56 @@ def test_a_step_on_every_core_is_guessed_with_the_cores_it_gains(clock):
                                                          0.894 / 2 * shared.shape(0) / shared.shape(1)))
 
 
+def test_a_serial_verification_is_never_guessed_below_a_plain_step():
+    """A serial round verifies its draft tokens on every core, as a plain step makes one: from a serial K = 4 timed
+    at 475 ms, K = 1 guessed in proportion to positions came to 190 ms beside a 242 ms plain step, and a useless
+    draft's first call tried it. The guess is floored at the plain step's time; measured ones stand as measured."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True)
+    _measured(policy, {0: 0.2425})
+    policy.serial_verify[4] = DecayedMean(0.5)
+    policy.serial_verify[4].add(0.475)
+    table, serial = policy.times(), policy.serial_times()
+    assert 0.475 * 2 / 5 < 0.2425
+    assert policy.serial_verify_seconds(1, table, serial) == pytest.approx(0.2425)
+    assert policy.serial_verify_seconds(4, table, serial) == pytest.approx(0.475)
+
+
+def test_before_any_verification_of_several_positions_a_serial_one_rises_by_the_prior_shape():
+    """With only a plain step timed (a useless draft's first call, the first round's K = 4 holding the prefill), a
+    serial verification is guessed along the prior shape from the plain step, as a concurrent one is, not at the
+    plain step's time: priced flat, every serial K looked as cheap as a plain step and the deepest was tried (K = 4:
+    475 ms for one token where a plain step takes 242). At a useless draft's acceptance the next round is a plain
+    step; on a flat prior (packed kernels, GPUs) serial K still costs about a plain step's time."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True)
+    _measured(policy, {0: 0.2425})
+    table = policy.times()
+    for k in (1, 4):
+        assert policy.serial_verify_seconds(k, table, {}) == pytest.approx(0.2425 * policy.shape(k))
+    policy._rounds = 1  # past the first round (which holds the prefill)
+    policy.acceptance.reached = [1.0] * len(policy.acceptance.reached)
+    policy.acceptance.pooled_reached = 4.0
+    assert policy.choose(4) == 0 and policy._mode == "plain"
+    flat = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE,
+                           serial=True)
+    _measured(flat, {0: 0.2425})
+    assert flat.serial_verify_seconds(4, flat.times(), {}) == pytest.approx(0.2425 * flat.shape(4))
+    assert flat.shape(4) < 1.1
+
+
+def test_a_serial_rounds_drafting_is_priced_as_earlier_calls_measured_it():
+    """Until this call times a further just-in-time token, a serial round's drafting is priced at the step earlier
+    calls with this draft measured (`remembered_step`), the price the stop rule reads too, not at nothing."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=FLAT_SHAPE,
+                             serial=True)
+    _measured(policy, {0: 0.25})
+    table = policy.times()
+    unpriced = policy.serial_round_seconds(4, table, {})
+    policy.remembered_step = 0.03
+    assert policy.serial_round_seconds(4, table, {}) == pytest.approx(unpriced + 4 * 0.03)
+
+
 def test_a_verification_beside_the_draft_costs_at_least_its_serial_timing(clock):
     """An unmeasured verification beside the working draft is priced no cheaper than the same one timed on every
     core with the draft idle, and, its cost then a bound rather than a guess, is tried only where it might be best. A

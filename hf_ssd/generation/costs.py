@@ -48,26 +48,32 @@ class RoundCosts:
         """T_v(k) on every core with the draft idle: measured; else along the measured serial ones as
         `verify_seconds` guesses; with none measured yet, the plain step's time (also on every core; until measured,
         as `verify_seconds` guesses it) times the concurrent curve's rise from its smallest measured K (optimistic
-        below it, so that it gets tried)."""
+        below it, so that it gets tried), or with no verification of several positions measured at all, the prior
+        shape's rise. Never below the plain step: verifying draft tokens costs at least what a step without them does
+        (a serial K = 4 timed at 475 ms guessed K = 1 at 190 ms beside a 242 ms plain step, and a useless draft's
+        first call tried it)."""
+        plain = self.verify_seconds(0, table)
         if k in serial:
             return serial[k]
         if serial:
-            return self.verify_seconds(k, serial)
-        plain = self.verify_seconds(0, table)
+            guess = self.verify_seconds(k, serial)
+            return guess if guess is None or plain is None else max(guess, plain)
         if plain is None:
             return None
         several = sorted((n, t) for n, t in table.items() if n >= 1)
-        if not several:
-            return plain
+        if not several:  # a useless draft's first call priced every serial K at a plain step's time and tried K = 4
+            return plain * self.shape(k) / self.shape(0)  # (2x a plain step with MKL's kernels) for one token
         return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
 
     def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
         """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core
-        or the draft's own threads, as `ThreadChoice` picks: `serial_drafting_seconds`), and the loop's overhead."""
+        or the draft's own threads, as `ThreadChoice` picks: `serial_drafting_seconds`; until this call measures a
+        further token's cost, as earlier calls with this draft did: `remembered_step`, the price the stop rule also
+        reads), and the loop's overhead."""
         verify = self.serial_verify_seconds(k, table, serial)
         if verify is None:
             return None
-        return verify + self.serial_drafting_seconds(k) + max(self.overhead.value or 0.0, 0.0)
+        return verify + self.serial_drafting_seconds(k, self.remembered_step) + max(self.overhead.value or 0.0, 0.0)
 
     def serial_step(self) -> float | None:
         """Seconds per further token of a serial speculation: as measured, never above the fixed part (a forward of
