@@ -49,9 +49,10 @@ class RoundCosts:
         `verify_seconds` guesses; with none measured yet, the plain step's time (also on every core; until measured,
         as `verify_seconds` guesses it) times the concurrent curve's rise from its smallest measured K (optimistic
         below it, so that it gets tried), or with no verification of several positions measured at all, the prior
-        shape's rise. Never below the plain step: verifying draft tokens costs at least what a step without them does
-        (a serial K = 4 timed at 475 ms guessed K = 1 at 190 ms beside a 242 ms plain step, and a useless draft's
-        first call tried it)."""
+        shape's rise from K = 1 (K = 1 at the plain step's time, so that the cheapest serial round is the one tried
+        first). Never below the plain step: verifying draft tokens costs at least what a step without them does (a
+        serial K = 4 timed at 475 ms guessed K = 1 at 190 ms beside a 242 ms plain step, and a useless draft's first
+        call tried it)."""
         plain = self.verify_seconds(0, table)
         if k in serial:
             return serial[k]
@@ -61,8 +62,8 @@ class RoundCosts:
         if plain is None:
             return None
         several = sorted((n, t) for n, t in table.items() if n >= 1)
-        if not several:  # a useless draft's first call priced every serial K at a plain step's time and tried K = 4
-            return plain * self.shape(k) / self.shape(0)  # (2x a plain step with MKL's kernels) for one token
+        if not several:  # priced flat, every serial K cost a plain step's time: a useless draft's first call tried
+            return plain * self.shape(k) / self.shape(1)  # K = 4 (2x a plain step with MKL's kernels) for one token
         return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
 
     def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
