@@ -32,8 +32,8 @@ def prior_cost_shape(model) -> tuple[float, float, float]:
 class RoundCosts:
     """R(K) and T_v(K) for `LookaheadPolicy` (a mixin: it reads the policy's measurements — `verify`,
     `serial_verify` (the active rows' tables of `verify_by_rows`, `serial_verify_by_rows`), `serial_token`,
-    `serial_fixed`, `backup`, `draft`, `overhead`, `hit_rate`, `fanout` — and its setting — `k_max`, `concurrent`,
-    `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` / `knee`)."""
+    `serial_fixed`, `remembered_step`, `backup`, `draft`, `overhead`, `hit_rate`, `fanout` — and its setting —
+    `k_max`, `concurrent`, `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` / `knee`)."""
 
     def times(self) -> dict[int, float]:
         """T_v per K known now: this call's measurements over the remembered ones (scaled to this call), fitted
@@ -53,17 +53,17 @@ class RoundCosts:
         first). Never below the plain step: verifying draft tokens costs at least what a step without them does (a
         serial K = 4 timed at 475 ms guessed K = 1 at 190 ms beside a 242 ms plain step, and a useless draft's first
         call tried it)."""
-        plain = self.verify_seconds(0, table)
         if k in serial:
             return serial[k]
+        plain = self.verify_seconds(0, table)
         if serial:
             guess = self.verify_seconds(k, serial)
             return guess if guess is None or plain is None else max(guess, plain)
         if plain is None:
             return None
         several = sorted((n, t) for n, t in table.items() if n >= 1)
-        if not several:  # priced flat, every serial K cost a plain step's time: a useless draft's first call tried
-            return plain * self.shape(k) / self.shape(1)  # K = 4 (2x a plain step with MKL's kernels) for one token
+        if not several:  # (flat, a useless draft's first call tried K = 4: 2x a plain step's time for one token)
+            return plain * self.shape(k) / self.shape(1)
         return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
 
     def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
