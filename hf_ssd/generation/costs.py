@@ -55,7 +55,7 @@ class RoundCosts:
         call tried it)."""
         if k in serial:
             return serial[k]
-        plain = self.verify_seconds(0, table)
+        plain = self._plain_floor(table)
         if serial:
             guess = self.verify_seconds(k, serial)
             return guess if guess is None or plain is None else max(guess, plain)
@@ -65,6 +65,14 @@ class RoundCosts:
         if not several:  # (flat, a useless draft's first call tried K = 4: 2x a plain step's time for one token)
             return plain * self.shape(k) / self.shape(1)
         return plain * max(1.0, (self.verify_seconds(k, table) or 0.0) / several[0][1])
+
+    def _plain_floor(self, table: dict[int, float]) -> float | None:
+        """`verify_seconds(0, table)`, once per table: a decision prices up to 16 serial K against one table, and where
+        no plain step was timed the guess walks the serial and concurrent tables again each time."""
+        cached = self._floor_for
+        if cached is None or cached[0] is not table:
+            cached = self._floor_for = (table, self.verify_seconds(0, table))
+        return cached[1]
 
     def serial_round_seconds(self, k: int, table: dict[int, float], serial: dict[int, float]) -> float | None:
         """R(k) of a serial round: the verification on every core, then k tokens drafted just in time (on every core

@@ -125,6 +125,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         self.trace: list[dict] = []
         self._round_start: float | None = None
         self._timings = None
+        self._floor_for = None  # (table, the plain step's time guessed from it): `RoundCosts._plain_floor`
         self._rounds = 0
         self._timed_at: dict[tuple[bool, int], int] = {}  # (serial, K) -> the round its cost was last measured in
         self.probing = Probing()  # the pause/probe/trial state between plain steps (`probing.py`)
