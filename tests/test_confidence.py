@@ -20,8 +20,10 @@ from hf_ssd.generation.confidence import (
     ConfidenceCalibration,
     StopRule,
     bin_of,
+    call_shift,
     confident_speed,
     expected_tokens_per_row,
+    shifted,
 )
 from hf_ssd.generation.costs import FLAT_SHAPE
 from hf_ssd.generation.lookahead import LookaheadPolicy
@@ -369,6 +371,69 @@ def test_the_calibration_carries_over_to_the_next_call_on_the_same_pair():
     again = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)
     other = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=2, confidence=True)
     assert again.calibration is first.calibration and other.calibration.samples == 0
+
+
+def test_a_calls_shift_follows_its_own_samples_and_moves_little_on_a_few():
+    """δ is 0 without samples, takes the sign of the call's departure from the pair's tables, grows with the samples
+    that show it, and shifts every bin's log-odds by the same amount (order kept, δ = 0 the identity)."""
+    pair = ([0.5] * (len(EDGES) + 1), [0.8] * (len(EDGES) + 1))
+    call = ConfidenceCalibration()
+    assert call_shift(call, pair) == 0.0
+    shifts = []
+    for _ in range(3):
+        for _ in range(10):
+            call.add(0.99, 1.0, 1)  # later tokens the pair takes 80 % of the time, all taken in this call
+        shifts.append(call_shift(call, pair))
+    assert 0.0 < shifts[0] < shifts[1] < shifts[2] < 6.0
+    assert shifted(pair[1], shifts[0])[-1] < shifted(pair[1], shifts[2])[-1] < 1.0
+    worse = ConfidenceCalibration()
+    for _ in range(30):
+        worse.add(0.99, 0.0, 0)  # first tokens the pair takes half the time, all rejected here
+    assert call_shift(worse, pair) < -1.0
+    table = [0.1, 0.4, 0.4, 0.9]
+    assert shifted(table, 0.0) == table
+    up = shifted(table, 1.0)
+    assert all(a < b for a, b in zip(table, up)) and up[1] == up[2] and up == sorted(up)
+
+
+def test_a_call_matching_the_pairs_calibration_leaves_it_unshifted():
+    """Samples drawn at the rates the pair's tables give fit δ close to 0: the shift moves a call only as far as its
+    own acceptance departs."""
+    pair = ([0.3, 0.6, 0.9], [0.5, 0.7, 0.95])
+    call = ConfidenceCalibration()
+    call.reached = [[100.0, 100.0, 100.0], [100.0, 100.0, 100.0], [0.0] * 3]
+    call.passed = [[30.0, 60.0, 90.0], [50.0, 70.0, 95.0], [0.0] * 3]
+    assert abs(call_shift(call, pair)) < 1e-6
+
+
+def test_a_calls_own_acceptance_shifts_the_pairs_calibration_for_it_alone():
+    """The pair's calibration, pooled over earlier calls (prose: a token after a sure one taken half the time), held
+    a call on text the draft knows (every token taken) shallow; the call's own samples shift the tables its stop rule
+    and K are priced by, and leave the pool's (what the next call starts from) as they were."""
+    from types import SimpleNamespace
+
+    from hf_ssd.generation.estimates import LookaheadMemory
+
+    memory = LookaheadMemory()
+    earlier = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)
+    for _ in range(60):
+        earlier.calibration.add_at([0.99, 0.99], 1, 0.5)
+    pool_next = earlier.calibration.next_table(earlier.calibration.tables()[1])[-1]
+    policy = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)
+    before = policy.calibrated_tables()
+    assert before[2][-1] == pytest.approx(pool_next, abs=0.05)  # unshifted before the call has samples
+    spec = SimpleNamespace(tokens=torch.tensor([5, 6, 7]), probs=None, confidence=torch.tensor([0.99, 0.99, 0.99]))
+    scores = torch.zeros(1, 3, 8)
+    scores[0, 2, 7] = 5.0  # the free sample beyond the two verified: taken
+    for _ in range(20):
+        policy.observe_verification([SimpleNamespace(speculation=spec)],
+                                    SimpleNamespace(verified=2, accepted=[2], scores=scores))
+    after = policy.calibrated_tables()
+    assert after[2][-1] > before[2][-1] + 0.2 and after[1][-1] > before[1][-1]
+    fresh = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)
+    assert fresh.calibrated_tables()[2][-1] < after[2][-1] - 0.2  # the next call starts from the pool
+    alone = LookaheadPolicy(3, True, 0.7, concurrent=True, confidence=True)  # no pool: nothing to shift from
+    assert alone.call_calibration is None
 
 
 def test_stop_rule_prices_a_drafted_token_at_the_chosen_speed():

@@ -994,6 +994,45 @@ def test_a_step_on_every_core_is_guessed_with_the_cores_it_gains(clock):
                                                          0.894 / 2 * shared.shape(0) / shared.shape(1)))
 
 
+def test_a_step_on_every_core_gains_what_was_measured(clock):
+    """Where the target's verification has been timed both beside the working draft and on every core (a concurrent
+    and a serial round at the same K and rows), the gain the second core brings is the measured ratio, not the bound
+    (`every_core`): on a 2-core EPYC with MKL's kernels a concurrent K = 4 took 733 ms and a serial one 692, and the
+    bound (2x) guessed a 2-row plain step at 327 ms that took 684. The ratio carries to other rows and to later calls
+    (`LookaheadMemory`), and stays within [1, `every_core`]."""
+    from hf_ssd.generation.estimates import REMEMBER_AFTER, LookaheadMemory, memory_key
+
+    memory = LookaheadMemory()
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.9, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True, every_core=2.0, memory=memory)
+    _measured(policy, {4: 0.733})
+    assert policy.core_gain() == 2.0  # the bound, until both ways are timed
+    assert policy.verify_seconds(0) == pytest.approx(0.733 / 2 * policy.shape(0) / policy.shape(4))
+    policy.serial_verify[4] = DecayedMean(0.5)
+    policy.serial_verify[4].add(0.692)
+    assert policy.core_gain() == pytest.approx(0.733 / 0.692)
+    assert policy.verify_seconds(0) == pytest.approx(0.692 * policy.shape(0) / policy.shape(4))
+    policy._active_rows = 2  # two rows, only a concurrent K = 3 timed there: guessed at the gain measured at one
+    _measured(policy, {3: 0.850})
+    assert policy.core_gain() == pytest.approx(0.733 / 0.692)
+    assert policy.verify_seconds(0) > 0.850 / 2 * policy.shape(0) / policy.shape(3)
+    for key, seconds in ((memory_key((), 1), 0.733), (memory_key((), 1, serial=True), 0.692)):
+        for _ in range(REMEMBER_AFTER):
+            memory.record(key, 4, seconds)
+    later = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.9, concurrent=True, cost_shape=CPU_SHAPE,
+                            serial=True, every_core=2.0, memory=memory)
+    assert later.core_gain() == pytest.approx(0.733 / 0.692)  # an earlier call's timings, before its own
+    slower = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.9, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True, every_core=2.0)
+    _measured(slower, {2: 0.5})
+    slower.serial_verify[2] = DecayedMean(0.5)
+    slower.serial_verify[2].add(0.6)  # every core slower than beside the draft (noise): no gain, not a loss
+    assert slower.core_gain() == 1.0
+    slower.serial_verify[2].add(0.1)
+    slower.serial_verify[2].add(0.1)
+    assert slower.core_gain() == 2.0  # more than the cores: the bound
+
+
 def test_a_serial_verification_is_never_guessed_below_a_plain_step():
     """A serial round verifies its draft tokens on every core, as a plain step makes one: from a serial K = 4 timed
     at 475 ms, K = 1 guessed in proportion to positions came to 190 ms beside a 242 ms plain step, and a useless

@@ -25,6 +25,13 @@ four accepted. The lookahead policy uses f three times:
   token is sure and verify nothing where it is not, so their speed is priced per first-token confidence bin,
   weighted by how often the draft's first tokens fall in it, not at the run's average acceptance.
 
+The pair's calibration is pooled over every call with the same draft, and texts differ: a call on code accepts 99 % of
+the tokens after a sure one where the pool, mostly prose, says 89 %, so the stop rule priced every run past the cost
+curve's jump as a loss and held a code answer two tokens deep, all accepted, where SD's schedule drafted 16. Each call
+therefore also counts its own samples (`LookaheadPolicy.call_calibration`) and shifts every table's log-odds by one
+amount, the shift that best explains them under a normal prior (`call_shift`, as Platt scaling fits an intercept):
+a few samples move the tables little, a call's worth of them moves them to where the call's own acceptance lies.
+
 Which tokens get verified and how many get drafted depend only on the draft's side (its tokens and their
 probabilities), never on the target's draws: verification stays exact, whatever is chosen.
 """
@@ -32,6 +39,7 @@ probabilities), never on the target's draws: verification stays exact, whatever 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +52,8 @@ DECAY = 0.98  # per round that brings samples: the pair's calibration moves slow
 PRIOR_WEIGHT = 2.0  # samples' worth of the prior f(c) = c (each bin's midpoint)
 FIRST, LATER = 0, 1  # a speculation's first token; a token after drafted ones (reached only when they were accepted)
 NEXT = 2  # a token after drafted ones, by the confidence of the token before it (what drafting it is decided on)
+SHIFT_SPREAD = 1.0  # the prior's standard deviation of a call's log-odds shift from the pair's calibration
+SHIFT_LIMIT = 6.0  # the most a call's samples shift the log-odds either way (two hundred-fold in odds)
 
 
 def bin_of(confidence: torch.Tensor) -> torch.Tensor:
@@ -133,6 +143,43 @@ class ConfidenceCalibration:
         if f.shape[-1]:
             f[..., 0] = torch.tensor(first, dtype=torch.float32, device=confidence.device)[bins[..., 0]]
         return f
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1.0 - 1e-4)
+    return math.log(p / (1.0 - p))
+
+
+def call_shift(call: ConfidenceCalibration, tables: tuple[list[float], list[float]], spread: float = SHIFT_SPREAD,
+               steps: int = 20) -> float:
+    """δ: how far this call's acceptance departs from the pair's calibration, as one shift of the log-odds of every
+    f(c): the maximum a posteriori δ (a normal prior of standard deviation `spread` around 0) under which the call's
+    own samples (`call`: its counts per bin of a first token and of a later one; decayed as the pair's are) were
+    drawn from sigmoid(logit(f_b) + δ) with f_b the pair's `tables` (first, later) at their bin. Newton's method on
+    the concave log posterior; 0 without samples."""
+    terms = [(_logit(f), r, call.passed[kind][b]) for kind, table in zip((FIRST, LATER), tables)
+             for b, (f, r) in enumerate(zip(table, call.reached[kind])) if r > 0]
+    if not terms:
+        return 0.0
+    delta, precision = 0.0, 1.0 / spread ** 2
+    for _ in range(steps):
+        slope, curvature = -delta * precision, precision
+        for logit, reached, passed in terms:
+            p = 1.0 / (1.0 + math.exp(-(logit + delta)))
+            slope += passed - reached * p
+            curvature += reached * p * (1.0 - p)
+        step = slope / curvature
+        delta = min(max(delta + step, -SHIFT_LIMIT), SHIFT_LIMIT)
+        if abs(step) < 1e-6:
+            break
+    return delta
+
+
+def shifted(table: list[float], delta: float) -> list[float]:
+    """f per bin with its log-odds shifted by `delta` (`call_shift`); the table itself for δ = 0."""
+    if delta == 0.0:
+        return list(table)
+    return [1.0 / (1.0 + math.exp(-(_logit(f) + delta))) for f in table]
 
 
 def expected_tokens_per_row(acceptance: torch.Tensor) -> torch.Tensor:

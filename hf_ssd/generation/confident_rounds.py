@@ -2,8 +2,8 @@
 and where the just-in-time drafting after it stops (`StopRule`), priced on the cost curve K is chosen by.
 
 `ConfidentRounds` is a mixin of `LookaheadPolicy`, like `RoundCosts` and `PlainSteps`: it reads the policy's
-estimates and choice (`calibration`, `acceptance`, `_confidence`, `_mode`, `_rate`, `serial`, `trace`, the cost
-tables) and keeps no state of its own.
+estimates and choice (`calibration`, `call_calibration`, `acceptance`, `_confidence`, `_mode`, `_rate`, `serial`,
+`trace`, the cost tables) and keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from .confidence import FIRST, StopRule, confident_speed, expected_tokens_per_row
+from .confidence import FIRST, StopRule, call_shift, confident_speed, expected_tokens_per_row, shifted
 from .costs import position_costs
 from .modes import SERIAL, _best
 
@@ -76,8 +76,7 @@ class ConfidentRounds:
             return None
         overhead = max(self.overhead.value or 0.0, 0.0)
         drafting = [self.serial_drafting_seconds(n, self.remembered_step) for n in range(1, depth + 1)]
-        first, later = self.confidence_tables()
-        after = calibration.next_table(later)
+        first, later, after = self.calibrated_tables()
         return confident_speed([c / total for c in counts], first, after, [t + overhead for t in verify], drafting)
 
     def _round_acceptance(self, limit: int) -> torch.Tensor | None:
@@ -92,9 +91,20 @@ class ConfidentRounds:
         return self.calibration.acceptance(confidence, self.confidence_tables())
 
     def confidence_tables(self) -> tuple[list[float], list[float]]:
-        """f per confidence bin of a speculation's first token and of the later ones (`ConfidenceCalibration.tables`),
-        unmeasured bins at the run's acceptance of the first position and of the ones after it."""
-        return self.calibration.tables(self.acceptance.estimates()[0], self.acceptance.beyond_first())
+        """f per confidence bin of a speculation's first token and of the later ones (`calibrated_tables`)."""
+        return self.calibrated_tables()[:2]
+
+    def calibrated_tables(self) -> tuple[list[float], list[float], list[float]]:
+        """f per confidence bin of a speculation's first token, of the later ones (`ConfidenceCalibration.tables`,
+        unmeasured bins at the run's acceptance of the first position and of the ones after it) and of the token
+        after one of confidence c (`next_table`), the pair's tables shifted toward this call's own samples
+        (`call_shift`)."""
+        first, later = self.calibration.tables(self.acceptance.estimates()[0], self.acceptance.beyond_first())
+        after = self.calibration.next_table(later)
+        delta = call_shift(self.call_calibration, (first, later)) if self.call_calibration is not None else 0.0
+        if self.trace:
+            self.trace[-1]["calibration_shift"] = round(delta, 3)
+        return shifted(first, delta), shifted(later, delta), shifted(after, delta)
 
     def _seconds_now(self, k: int, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
         """R(k) of this round in the way chosen: a serial round's verification on every core, then the next
@@ -142,8 +152,7 @@ class ConfidentRounds:
         gain = rate * per_token
         if self.trace:
             self.trace[-1]["stop_gain"] = [round(gain + e, 3) for e in extra] or round(gain, 3)
-        first, later = self.confidence_tables()
-        after = self.calibration.next_table(later)
+        first, later, after = self.calibrated_tables()
         if self.trace:
             self.trace[-1]["stop_tables"] = [[round(f, 3) for f in table] for table in (first, later, after)]
         rule = StopRule(tuple(first), gain, tuple(later), 1, extra, tuple(after))

@@ -121,16 +121,18 @@ class RoundCosts:
         K_max, where no K is explored, it rises from there by the prior shape `shape`); with
         none measured below it, the nearest measured one above scaled down in proportion to positions. The plain
         step (K = 0), until measured while the draft is paused: the most optimistic of the measured ones (concurrent,
-        divided by `every_core`, the cores a step on every core has over one beside the draft; or serial: like a
-        plain step, on every core) scaled by the prior shape."""
+        divided by `core_gain`, what a step on every core gains over one beside the draft; or serial: like a plain
+        step, on every core) scaled by the prior shape."""
         measured = self.times() if measured is None else measured
         if not measured:
             return None
         if k in measured:
             return measured[k]
         if k == 0:  # a serial verification runs on every core with the draft idle, as a plain step does; one beside
-            # the draft on the target's share of them: at best the step speeds up with the cores (`every_core`)
-            known = [(n, t / self.every_core) for n, t in measured.items()] + list(self.serial_times().items())
+            # the draft on the target's share of them: the step speeds up with the cores as far as measured
+            # (`core_gain`), at best in proportion to them (`every_core`)
+            gain = self.core_gain()
+            known = [(n, t / gain) for n, t in measured.items()] + list(self.serial_times().items())
             return min(t * self.shape(0) / self.shape(n) for n, t in known)
         several = sorted((n, t) for n, t in measured.items() if n >= 1)  # verifications of several positions
         if not several:
@@ -142,6 +144,32 @@ class RoundCosts:
             return t * self.shape(k) / self.shape(n) if k > self.k_max else t
         n, t = several[0]
         return t * (k + 1) / (n + 1)
+
+    def core_gain(self) -> float:
+        """How many times faster the target verifies on every core, the draft idle (a serial round's verification),
+        than on its own cores beside the working draft (a concurrent one): the median ratio over the (rows, K >= 1)
+        timed both ways, this call's own where it has any, else earlier calls' (`LookaheadMemory`), within [1,
+        `every_core`]; `every_core`, the bound (cores in proportion), until then. What a plain step, on every core,
+        is guessed at before it is timed (`verify_seconds`): on a 2-core EPYC with MKL's kernels the second core
+        gains the target nothing (a serial K = 4 in 692 ms, a concurrent one in 733), and the bound, 2x, guessed a
+        2-row plain step at 327 ms that took 684: two rounds of a 48-token batch spent on plain steps and a serial
+        K = 1 tried beside concurrent K = 4 rounds that brought five tokens a row."""
+        sources = [(self.verify_by_rows, self.serial_verify_by_rows, True)]
+        if self.memory is not None:
+            sources.append((self.memory.by_rows(self.setting), self.memory.by_rows(self.setting, serial=True), False))
+        for beside, alone, own in sources:
+            ratios = []
+            for rows, serial in alone.items():
+                concurrent = beside.get(rows, {})
+                for k, t in serial.items():
+                    pair = (concurrent.get(k), t)
+                    if own:
+                        pair = tuple(None if e is None else e.value for e in pair)
+                    if k >= 1 and None not in pair and pair[1] > 0:
+                        ratios.append(pair[0] / pair[1])
+            if ratios:
+                return min(max(statistics.median(ratios), 1.0), self.every_core)
+        return self.every_core
 
     def _remembered(self, serial: bool = False) -> dict[int, float]:
         """Times known beside this call's own at the active rows: earlier calls' in this setting (`LookaheadMemory`),

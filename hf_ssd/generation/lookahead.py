@@ -89,10 +89,13 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         # f(c), the acceptance of a token given the draft's confidence in it (`confidence.py`): what decides this
         # round's K from the speculation in hand and where just-in-time drafting stops
         self.calibration = None
+        known = memory is not None and draft_key is not None
         if confidence and adaptive:
-            known = memory is not None and draft_key is not None
             self.calibration = memory.calibration.setdefault(draft_key, ConfidenceCalibration()) if known else (
                 ConfidenceCalibration())
+        # this call's own samples, counted apart where the calibration is the pair's, pooled over earlier calls: how
+        # far this call's text departs from theirs (`call_shift`)
+        self.call_calibration = ConfidenceCalibration() if self.calibration is not None and known else None
         # how deep a serial speculation may run: past K_max while confident (the stop rule ends it), as SD's
         # confident drafts do; what the draft prepares beside a verification stays K_max deep
         self.k_serial = max(lookahead, serial_lookahead) if self.calibration is not None else lookahead
@@ -371,6 +374,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
                 n: round(1e3 * (self.serial_verify_seconds(n, table, serial) or 0.0), 2) for n in serial_speeds}
             entry["serial_draft_ms_per_token"] = round(1e3 * (self.serial_step() or 0.0), 2)
             entry["serial_draft_ms_fixed"] = round(1e3 * (self.serial_fixed.value or 0.0), 2)
+            entry["core_gain"] = round(self.core_gain(), 3)
         self.trace.append(entry)
 
     # --- what a round measured ---------------------------------------------------------------------------------
@@ -383,8 +387,9 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         if n == 0 and all(row.speculation.tokens.shape[0] == 0 for row in rows):
             return
         self.acceptance.decay()
-        if self.calibration is not None:
-            self.calibration.forget()
+        calibrations = [c for c in (self.calibration, self.call_calibration) if c is not None]
+        for calibration in calibrations:
+            calibration.forget()
         probs = None
         for i, row in enumerate(rows):
             accepted = verdict.accepted[i]
@@ -393,11 +398,13 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             for j in range(accepted):
                 self.acceptance.add(j, 1.0)
                 if confidence is not None:
-                    self.calibration.add_at(confidence, j, 1.0)
+                    for calibration in calibrations:
+                        calibration.add_at(confidence, j, 1.0)
             if accepted < n:
                 self.acceptance.add(accepted, 0.0)
                 if confidence is not None:
-                    self.calibration.add_at(confidence, accepted, 0.0)
+                    for calibration in calibrations:
+                        calibration.add_at(confidence, accepted, 0.0)
                 continue
             spec = row.speculation  # everything verified was accepted: a free sample one position on
             if spec.tokens.shape[0] <= n:
@@ -413,7 +420,8 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
                 sample = float(torch.minimum(probs[i], q).sum())
             self.acceptance.add(n, sample)
             if confidence is not None:
-                self.calibration.add_at(confidence, n, sample)
+                for calibration in calibrations:
+                    calibration.add_at(confidence, n, sample)
             if n == 0:
                 self.probing.free_sample(sample)
 
