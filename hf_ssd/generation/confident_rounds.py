@@ -3,7 +3,8 @@ and where the just-in-time drafting after it stops (`StopRule`), priced on the c
 
 `ConfidentRounds` is a mixin of `LookaheadPolicy`, like `RoundCosts` and `PlainSteps`: it reads the policy's
 estimates and choice (`calibration`, `call_calibration`, `acceptance`, `_confidence`, `_mode`, `_rate`, `serial`,
-`trace`, the cost tables) and keeps no state of its own.
+`trace`, the cost tables) and keeps no state of its own but the shift the calibration was last read at
+(`_calibration_shift`, for the trace).
 """
 
 from __future__ import annotations
@@ -102,8 +103,7 @@ class ConfidentRounds:
         first, later = self.calibration.tables(self.acceptance.estimates()[0], self.acceptance.beyond_first())
         after = self.calibration.next_table(later)
         delta = call_shift(self.call_calibration, (first, later)) if self.call_calibration is not None else 0.0
-        if self.trace:
-            self.trace[-1]["calibration_shift"] = round(delta, 3)
+        self._calibration_shift = delta
         return shifted(first, delta), shifted(later, delta), shifted(after, delta)
 
     def _seconds_now(self, k: int, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
@@ -155,6 +155,7 @@ class ConfidentRounds:
         first, later, after = self.calibrated_tables()
         if self.trace:
             self.trace[-1]["stop_tables"] = [[round(f, 3) for f in table] for table in (first, later, after)]
+            self.trace[-1]["calibration_shift"] = round(self._calibration_shift, 3)
         rule = StopRule(tuple(first), gain, tuple(later), 1, extra, tuple(after))
         acceptance = self.acceptance
         if len(acceptance.reached) > 1 and acceptance.estimates()[0] * acceptance.optimistic(1) >= rule.gain_after(1):

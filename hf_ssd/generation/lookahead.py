@@ -96,6 +96,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         # this call's own samples, counted apart where the calibration is the pair's, pooled over earlier calls: how
         # far this call's text departs from theirs (`call_shift`)
         self.call_calibration = ConfidenceCalibration() if self.calibration is not None and known else None
+        self._calibration_shift = 0.0  # the shift the tables were last read at (`calibrated_tables`)
         # how deep a serial speculation may run: past K_max while confident (the stop rule ends it), as SD's
         # confident drafts do; what the draft prepares beside a verification stays K_max deep
         self.k_serial = max(lookahead, serial_lookahead) if self.calibration is not None else lookahead
