@@ -78,9 +78,11 @@ class ConfidenceCalibration:
         self.reached = [[0.0] * len(self.prior) for _ in (FIRST, LATER, NEXT)]
         self.passed = [[0.0] * len(self.prior) for _ in (FIRST, LATER, NEXT)]
         self.samples = 0
+        self.version = 0  # counts the changes (`add`, `forget`): what reads the tables may cache them between
 
     def forget(self) -> None:
         """Age every count by one round."""
+        self.version += 1
         self.reached = [[self.decay * r for r in counts] for counts in self.reached]
         self.passed = [[self.decay * p for p in counts] for counts in self.passed]
 
@@ -96,6 +98,7 @@ class ConfidenceCalibration:
             self.reached[NEXT][b] += 1.0
             self.passed[NEXT][b] += accepted
         self.samples += 1
+        self.version += 1
 
     def add_at(self, confidences: list[float], position: int, accepted: float) -> None:
         """`add` for the token at `position` of a speculation whose tokens had `confidences` (the one before it, if

@@ -3,8 +3,8 @@ and where the just-in-time drafting after it stops (`StopRule`), priced on the c
 
 `ConfidentRounds` is a mixin of `LookaheadPolicy`, like `RoundCosts` and `PlainSteps`: it reads the policy's
 estimates and choice (`calibration`, `call_calibration`, `acceptance`, `_confidence`, `_mode`, `_rate`, `serial`,
-`trace`, the cost tables) and keeps no state of its own but the shift the calibration was last read at
-(`_calibration_shift`, for the trace).
+`trace`, the cost tables) and keeps no state of its own but the calibrated tables last read (`_calibrated`) and
+their shift (`_calibration_shift`, for the trace).
 """
 
 from __future__ import annotations
@@ -99,12 +99,20 @@ class ConfidentRounds:
         """f per confidence bin of a speculation's first token, of the later ones (`ConfidenceCalibration.tables`,
         unmeasured bins at the run's acceptance of the first position and of the ones after it) and of the token
         after one of confidence c (`next_table`), the pair's tables shifted toward this call's own samples
-        (`call_shift`)."""
-        first, later = self.calibration.tables(self.acceptance.estimates()[0], self.acceptance.beyond_first())
+        (`call_shift`). Read up to three times a decision: kept until a calibration or the run's acceptance changes."""
+        call = self.call_calibration
+        priors = (self.acceptance.estimates()[0], self.acceptance.beyond_first())
+        key = (self.calibration, self.calibration.version, call and call.version, priors)
+        cached = self._calibrated
+        if cached is not None and cached[0][0] is key[0] and cached[0][1:] == key[1:]:
+            return cached[1]
+        first, later = self.calibration.tables(*priors)
         after = self.calibration.next_table(later)
-        delta = call_shift(self.call_calibration, (first, later)) if self.call_calibration is not None else 0.0
+        delta = call_shift(call, (first, later)) if call is not None else 0.0
         self._calibration_shift = delta
-        return shifted(first, delta), shifted(later, delta), shifted(after, delta)
+        tables = shifted(first, delta), shifted(later, delta), shifted(after, delta)
+        self._calibrated = (key, tables)
+        return tables
 
     def _seconds_now(self, k: int, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
         """R(k) of this round in the way chosen: a serial round's verification on every core, then the next

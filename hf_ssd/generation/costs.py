@@ -154,19 +154,12 @@ class RoundCosts:
         gains the target nothing (a serial K = 4 in 692 ms, a concurrent one in 733), and the bound, 2x, guessed a
         2-row plain step at 327 ms that took 684: two rounds of a 48-token batch spent on plain steps and a serial
         K = 1 tried beside concurrent K = 4 rounds that brought five tokens a row."""
-        sources = [(self.verify_by_rows, self.serial_verify_by_rows, True)]
+        sources = [(_values(self.verify_by_rows), _values(self.serial_verify_by_rows))]
         if self.memory is not None:
-            sources.append((self.memory.by_rows(self.setting), self.memory.by_rows(self.setting, serial=True), False))
-        for beside, alone, own in sources:
-            ratios = []
-            for rows, serial in alone.items():
-                concurrent = beside.get(rows, {})
-                for k, t in serial.items():
-                    pair = (concurrent.get(k), t)
-                    if own:
-                        pair = tuple(None if e is None else e.value for e in pair)
-                    if k >= 1 and None not in pair and pair[1] > 0:
-                        ratios.append(pair[0] / pair[1])
+            sources.append((self.memory.by_rows(self.setting), self.memory.by_rows(self.setting, serial=True)))
+        for beside, alone in sources:
+            ratios = [beside[rows][k] / t for rows, serial in alone.items() for k, t in serial.items()
+                      if k >= 1 and t > 0 and k in beside.get(rows, {})]
             if ratios:
                 return min(max(statistics.median(ratios), 1.0), self.every_core)
         return self.every_core
@@ -190,7 +183,7 @@ class RoundCosts:
         dearer than they were (1.5 s against 0.5 s) and kept its speculation one token deep."""
         rows = max(self._active_rows, 1)
         tables = self.serial_verify_by_rows if serial else self.verify_by_rows
-        known = [(r, 0, {k: e.value for k, e in t.items() if e.value is not None}) for r, t in tables.items()]
+        known = [(r, 0, t) for r, t in _values(tables).items()]
         if self.memory is not None:
             known += [(r, 1, t) for r, t in self.memory.by_rows(self.setting, serial).items()]
         known = [(r, source, t) for r, source, t in known if r != rows and t]
@@ -282,6 +275,11 @@ def _floored(times: dict[int, float], plain: float | None = None) -> dict[int, f
     if plain is None:
         return times
     return {k: t if k == 0 else max(t, plain) for k, t in times.items()}
+
+
+def _values(by_rows: dict[int, dict[int, object]]) -> dict[int, dict[int, float]]:
+    """Per count of rows, the K -> seconds of the `DecayedMean`s that hold a value."""
+    return {r: {k: e.value for k, e in t.items() if e.value is not None} for r, t in by_rows.items()}
 
 
 def _monotone(remembered: dict[int, float], measured: dict) -> dict[int, float]:

@@ -97,6 +97,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         # far this call's text departs from theirs (`call_shift`)
         self.call_calibration = ConfidenceCalibration() if self.calibration is not None and known else None
         self._calibration_shift = 0.0  # the shift the tables were last read at (`calibrated_tables`)
+        self._calibrated = None  # (what they were read from, the tables): `ConfidentRounds.calibrated_tables`
         # how deep a serial speculation may run: past K_max while confident (the stop rule ends it), as SD's
         # confident drafts do; what the draft prepares beside a verification stays K_max deep
         self.k_serial = max(lookahead, serial_lookahead) if self.calibration is not None else lookahead
@@ -391,6 +392,11 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         calibrations = [c for c in (self.calibration, self.call_calibration) if c is not None]
         for calibration in calibrations:
             calibration.forget()
+
+        def calibrate(confidence: list[float], position: int, accepted: float) -> None:
+            for calibration in calibrations:
+                calibration.add_at(confidence, position, accepted)
+
         probs = None
         for i, row in enumerate(rows):
             accepted = verdict.accepted[i]
@@ -399,13 +405,11 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             for j in range(accepted):
                 self.acceptance.add(j, 1.0)
                 if confidence is not None:
-                    for calibration in calibrations:
-                        calibration.add_at(confidence, j, 1.0)
+                    calibrate(confidence, j, 1.0)
             if accepted < n:
                 self.acceptance.add(accepted, 0.0)
                 if confidence is not None:
-                    for calibration in calibrations:
-                        calibration.add_at(confidence, accepted, 0.0)
+                    calibrate(confidence, accepted, 0.0)
                 continue
             spec = row.speculation  # everything verified was accepted: a free sample one position on
             if spec.tokens.shape[0] <= n:
@@ -421,8 +425,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
                 sample = float(torch.minimum(probs[i], q).sum())
             self.acceptance.add(n, sample)
             if confidence is not None:
-                for calibration in calibrations:
-                    calibration.add_at(confidence, n, sample)
+                calibrate(confidence, n, sample)
             if n == 0:
                 self.probing.free_sample(sample)
 
