@@ -13,7 +13,9 @@ from test_lookahead import ARCHS, _script, batch_greedy_runs, law_models, script
 from test_sampling_law import ALPHA, REJECT, TEMPERATURE, ssd_law_pvalues
 
 from hf_ssd import SSDConfig
+from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
+from hf_ssd.generation.confidence import ConfidenceCalibration
 from hf_ssd.generation.costs import CPU_SHAPE, GPU_SHAPE
 from hf_ssd.generation.lookahead import LookaheadPolicy
 from hf_ssd.generation.modes import CONCURRENT, SERIAL
@@ -33,6 +35,44 @@ def _first_round(positions: int, began: float, **kwargs) -> tuple[str, int, int]
 def test_a_long_prefill_is_verified_on_every_core():
     assert _first_round(52, 0.3) == (SERIAL, 0, 4)  # the draft sits it out, then drafts K_max just in time
     assert _first_round(2 * 9, 0.3) == (SERIAL, 0, 4)  # a batch of 2 rows of 9 tokens: 18 positions, past the knee
+
+
+def test_a_first_serial_speculation_stops_where_earlier_calls_priced_its_tokens():
+    """After a serial first round the next speculation is drafted under the stop rule, priced at the costs earlier
+    calls with this draft timed (`LookaheadMemory`): unsure tokens stop it early, sure ones run past K_max. With
+    nothing remembered there is no price: K_max tokens."""
+    memory = estimates_module.LookaheadMemory()
+    setting = ("thread", 1)
+    for _ in range(2):
+        memory.record((*setting, 1), 0, 0.20)
+        for k in range(1, 17):
+            memory.record((*setting, 1, "serial"), k, 0.21 + 0.01 * k)
+    memory.serial_step[(7, setting)] = 0.03
+
+    def first_speculation(sure: bool):
+        policy = LookaheadPolicy(4, True, 0.8, concurrent=True, cost_shape=CPU_SHAPE, serial=True, confidence=True,
+                                 memory=memory, setting=setting, draft_key=7, prefill_positions=52,
+                                 serial_lookahead=16)
+        policy.began(0.3)
+        policy.depth(policy.choose(4))
+        serial, stop = policy.just_in_time()
+        assert policy._mode == SERIAL and serial == 16 and stop is not None
+        confidence = torch.tensor([0.99 if sure else 0.05])
+        tokens, reach = 1, torch.ones(1)
+        while tokens < serial:
+            going, reach = stop.keeps_going(reach, confidence, torch.ones(1, dtype=torch.bool), tokens)
+            if not going:
+                break
+            tokens += 1
+        return tokens
+
+    for _ in range(40):  # the pair: sure tokens are taken, unsure ones are not
+        for position in range(4):
+            memory.calibration.setdefault(7, ConfidenceCalibration()).add(0.99, 1.0, position=position)
+            memory.calibration[7].add(0.05, 0.0, position=position)
+    assert first_speculation(sure=False) <= 2
+    assert first_speculation(sure=True) > 4
+    assert _first_round(52, 0.3) == (SERIAL, 0, 4)  # nothing remembered: K_max, no stop rule
 
 
 @pytest.mark.parametrize("positions, began, options", [

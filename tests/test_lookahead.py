@@ -518,6 +518,41 @@ def test_a_close_remembered_plain_step_is_timed_again_at_once(clock):
     assert policy.choose(4) == 0 and policy.trace[-1]["why"] == "explore"
 
 
+def test_a_sure_speculation_in_hand_is_verified_before_a_plain_step_is_timed_again(clock):
+    """Exploring a plain step drops the speculation in hand: a remembered plain step close to the best at the run's
+    average acceptance is not timed again while the hand's tokens, priced by the draft's confidence in them, promise
+    far more than that best; with an unsure hand (or none) it is, at once."""
+    memory = estimates_module.LookaheadMemory()
+    for _ in range(2):  # timed twice by earlier calls: remembered
+        memory.record(("thread", 1, 1), 0, 0.10)
+        for k in range(1, 5):
+            memory.record(("thread", 1, 1, "serial"), k, 0.105 + 0.002 * k)
+
+    def policy_with(hand):
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.3, concurrent=True, memory=memory,
+                                 setting=("thread", 1), draft_key=1, serial=True, confidence=True)
+        for _ in range(40):  # the pair: sure tokens are taken, unsure ones are not (a quarter of them sure)
+            for position in range(4):
+                policy.calibration.add(0.99, 1.0, position=position)
+                for _ in range(3):
+                    policy.calibration.add(0.05, 0.0, position=position)
+        policy._rounds = 3
+        policy.acceptance.reached = [10.0] * 5
+        policy.acceptance.passed = [2.5] * 5
+        _measured(policy, {1: 0.21})  # this call's one timing: a verification beside the draft
+        policy.serial_verify.setdefault(2, DecayedMean(0.7)).add(0.109)
+        policy.serial_token.add(0.01)
+        policy.serial_fixed.add(0.01)
+        policy.serial_length.add(2.0)
+        policy.choose(4, confidence=hand)
+        return policy.trace[-1]
+
+    unsure = policy_with([torch.full((4,), 0.05)])
+    assert unsure["k"] == 0 and unsure["why"] == "explore", unsure
+    sure = policy_with([torch.full((4,), 0.99)])
+    assert sure["k"] >= 2 and sure["why"] == "best", sure
+
+
 def test_a_batch_of_new_size_starts_from_remembered_costs_at_the_nearest_rows(clock):
     """A call at 8 rows after calls at 2 and 4 (a batch sweep, a server's changing load) starts from the 4-row costs
     rescaled by the prior curve rather than exploring every K again; this call's own rows come first, and a

@@ -16,7 +16,7 @@ from hf_ssd import SSDConfig
 from hf_ssd.ema import DecayedMean
 from hf_ssd.generation.costs import FLAT_SHAPE
 from hf_ssd.generation.lookahead import LookaheadPolicy
-from hf_ssd.generation.modes import SERIAL
+from hf_ssd.generation.modes import PLAIN, SERIAL
 
 
 def test_config_bounds_serial_depth():
@@ -56,6 +56,30 @@ def test_a_serial_round_verifies_past_k_where_the_draft_is_sure():
     for _ in range(30):  # the pair has shown that unsure tokens (past the first) are rejected
         policy.calibration.add(0.05, 0.0, position=2)
     assert policy.choose(10, confidence=[unsure]) == 2
+
+
+def test_a_sure_hand_is_verified_where_the_average_acceptance_says_plain_steps():
+    """Plain steps win at the run's average acceptance (a few rejections pulled it down), but the speculation in hand
+    holds tokens the draft is sure of, and the pair takes such tokens: a serial round verifies them (the next
+    speculation drafted after it). An unsure hand, or none, leaves the plain step."""
+    def decide(hand):
+        policy = _serial_policy(serial_lookahead=10)
+        policy.acceptance.reached, policy.acceptance.passed = [10.0] * 4, [0.5] * 4
+        policy.acceptance.pooled_reached, policy.acceptance.pooled_passed = 100.0, 5.0
+        for _ in range(10):  # the draft is rarely sure; where it is, its tokens are taken
+            for position in range(3):
+                policy.calibration.add(0.99, 1.0, position=position)
+                for _ in range(9):
+                    policy.calibration.add(0.05, 0.0, position=position)
+        k = policy.choose(0 if hand is None else 3, confidence=None if hand is None else [hand])
+        return k, policy._mode, policy.trace[-1]
+
+    k, mode, entry = decide(torch.full((3,), 0.99))
+    assert k == 3 and mode == SERIAL and entry["why"] == "sure hand", entry
+    assert entry["tok_s"][0] > max(entry["serial_tok_s"].values())  # plain, at the average
+    for hand in (torch.full((3,), 0.05), None):
+        k, mode, entry = decide(hand)
+        assert k == 0 and mode == PLAIN, entry
 
 
 def test_a_batch_of_rows_stays_within_k_and_its_last_row_runs_deep():

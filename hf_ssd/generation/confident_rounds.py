@@ -15,7 +15,7 @@ import torch
 
 from .confidence import FIRST, StopRule, call_shift, confident_speed, expected_tokens_per_row, shifted
 from .costs import position_costs
-from .modes import SERIAL, _best
+from .modes import PLAIN, SERIAL, _best
 
 # Just-in-time drafting runs at least two tokens while the second position's acceptance, taken at its upper bound
 # (`AcceptanceTracker.optimistic`), would make a second token pay: one-token speculations never sample a_2 (the free
@@ -52,6 +52,22 @@ class ConfidentRounds:
             return best
         self._confident_speeds = speeds
         return _best(speeds, margin)
+
+    def _sure_hand(self, limit: int, speeds: dict[int, float], margin: float, table: dict[int, float],
+                   serial_table: dict[int, float]) -> int:
+        """Where plain steps win at the run's average acceptance: the K of a serial round verifying the speculation
+        in hand (the next one drafted after it) when its tokens' calibrated acceptance beats a plain step by
+        `margin`, the mode then serial; else 0, the mode left plain. The average rests on few samples after a
+        switch (one rejected first round took a_1 from 0.49 to 0.16 and a call's next 11 tokens to plain steps,
+        where its speculations then had 90 % taken), the hand's confidences speak for these tokens."""
+        if 0 not in speeds or limit < 1:
+            return 0
+        self._mode = SERIAL
+        k = self._confident(0, limit, {}, margin, table, serial_table)
+        if k > 0 and (self._confident_speeds or {}).get(k, 0.0) >= margin * speeds[0]:
+            return k
+        self._mode = PLAIN
+        return 0
 
     def confident_serial_speed(self, table: dict[int, float], serial_table: dict[int, float]) -> float | None:
         """Tokens per second of serial rounds drafted under the stop rule and verified as deep as the draft's

@@ -251,6 +251,10 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         if self._rounds == 0:  # the first round holds the prefill and its speculation is the first sample: K_max
             self._wanted = self.k_max if not self._starts_plain else 0  # (or a plain step: `first_depth`)
             self._mode = PLAIN if self._starts_plain else SERIAL if self._prefill_alone() else CONCURRENT
+            # the speed the next speculation's drafting is priced at (`stop_rule`), at the costs earlier calls timed:
+            # unpriced, the first serial speculation ran K_max deep, and the next round verified two of its four
+            now = self._serial_speeds(acceptance, table, serial_table) if self._mode == SERIAL else speeds
+            self._rate = max(now.values(), default=None)
             self._record(limit, None, "first round")
             return limit
         if not speeds:  # acceptance seen, no verification timed yet (the first held the prefill): the prior shape
@@ -260,11 +264,7 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             self._mode = CONCURRENT if self._wanted else PLAIN
             self._record(choice, speeds, "prior shape")
             return choice
-        serial_speeds = {}
-        for k in range(1, self.serial_depth + 1) if self.serial_option else ():
-            seconds = self.serial_round_seconds(k, table, serial_table)
-            if seconds is not None and seconds > 0:
-                serial_speeds[k] = expected_tokens(acceptance, k) / seconds
+        serial_speeds = self._serial_speeds(acceptance, table, serial_table)
         margin = _margin(RESUME_MARGIN if self.trace and self.trace[-1]["k"] == 0 else SPECULATE_MARGIN,
                          acceptance, speeds, serial_speeds)
         self._wanted = _best(speeds, margin)
@@ -286,15 +286,22 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
         best = _best(within, margin) if within else 0
         now_speeds = serial_speeds if self._mode == SERIAL else speeds
         self._rate = now_speeds.get(self._wanted) or speeds.get(0)
+        why = "best"
         if self._mode != PLAIN:
             best = self._confident(best, limit, within, margin, table, serial_table)
+        elif self.serial_option and (sure := self._sure_hand(deep, speeds, margin, table, serial_table)):
+            best, why = sure, "sure hand"
         if self.probing.take_trial():
             if best == 0 and limit > 0:
                 self._mode = SERIAL if self.serial_option else CONCURRENT
                 limit = min(limit, self.k_max)
                 self._record(limit, speeds, "trial", serial_speeds)
                 return limit
-        top = max([*speeds.values(), *serial_speeds.values()])
+        # the best this round can do, the speculation in hand priced by its tokens' confidences included: exploring
+        # a plain step drops that speculation (at each call's start a remembered plain step, timed again at once,
+        # threw away four sure tokens where one rejected first round had pulled the average acceptance down)
+        promised = [v for k, v in (self._confident_speeds or {}).items() if k > 0]
+        top = max([*speeds.values(), *serial_speeds.values(), *promised])
         # never timed, or timed long ago: a cost not chosen since it was timed is never measured again, so a close
         # competitor of the best is timed again after `RETIME_AFTER` rounds. A K >= 1 remembered from earlier calls
         # (scaled to this call) counts as timed when the call starts: it is timed again only as it goes stale (the
@@ -337,8 +344,18 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
                 self._mode, self._wanted = CONCURRENT, self.k_max
             self._record(choice, speeds, "explore", serial_speeds)
             return choice
-        self._record(best, speeds, "best", serial_speeds)
+        self._record(best, speeds, why, serial_speeds)
         return best
+
+    def _serial_speeds(self, acceptance: list[float], table: dict[int, float], serial_table: dict[int, float]
+                       ) -> dict[int, float]:
+        """Tokens per second of a serial round of each K (at the run's average acceptance), where it is an option."""
+        speeds = {}
+        for k in range(1, self.serial_depth + 1) if self.serial_option else ():
+            seconds = self.serial_round_seconds(k, table, serial_table)
+            if seconds is not None and seconds > 0:
+                speeds[k] = expected_tokens(acceptance, k) / seconds
+        return speeds
 
     def began(self, seconds: float) -> None:
         """The draft's prefill and first speculations took `seconds` (on every core, before the first round)."""
