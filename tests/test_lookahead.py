@@ -521,7 +521,8 @@ def test_a_close_remembered_plain_step_is_timed_again_at_once(clock):
 def test_a_sure_speculation_in_hand_is_verified_before_a_plain_step_is_timed_again(clock):
     """Exploring a plain step drops the speculation in hand: a remembered plain step close to the best at the run's
     average acceptance is not timed again while the hand's tokens, priced by the draft's confidence in them, promise
-    far more than that best; with an unsure hand (or none) it is, at once."""
+    far more than that best; with an unsure hand (or none) it is, at once, and where serial rounds are best the next
+    speculation is drafted after it."""
     memory = estimates_module.LookaheadMemory()
     for _ in range(2):  # timed twice by earlier calls: remembered
         memory.record(("thread", 1, 1), 0, 0.10)
@@ -544,13 +545,16 @@ def test_a_sure_speculation_in_hand_is_verified_before_a_plain_step_is_timed_aga
         policy.serial_token.add(0.01)
         policy.serial_fixed.add(0.01)
         policy.serial_length.add(2.0)
-        policy.choose(4, confidence=hand)
-        return policy.trace[-1]
+        k = policy.choose(4, confidence=hand)
+        return policy, k, policy.trace[-1]
 
-    unsure = policy_with([torch.full((4,), 0.05)])
-    assert unsure["k"] == 0 and unsure["why"] == "explore", unsure
-    sure = policy_with([torch.full((4,), 0.99)])
-    assert sure["k"] >= 2 and sure["why"] == "best", sure
+    policy, k, unsure = policy_with([torch.full((4,), 0.05)])
+    assert k == 0 and unsure["why"] == "explore", unsure
+    # timed as a serial round's verification of nothing: the draft sits it out (the step is on every core), then
+    # drafts the next speculation, so the round after it has one to verify
+    assert policy._mode == lookahead_module.SERIAL and policy.depth(k) == 0 and policy.serial > 0
+    _, k, sure = policy_with([torch.full((4,), 0.99)])
+    assert k >= 2 and sure["why"] == "best", sure
 
 
 def test_a_batch_of_new_size_starts_from_remembered_costs_at_the_nearest_rows(clock):

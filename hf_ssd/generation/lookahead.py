@@ -340,8 +340,11 @@ class LookaheadPolicy(ConfidentRounds, PlainSteps, RoundCosts):
             self._exploring = True
             if mode == SERIAL:
                 self._mode, self._wanted = SERIAL, max(self._wanted if self._mode == SERIAL else 0, choice)
-            elif self._mode == SERIAL:  # a concurrent K timed: the draft works during this verification
+            elif self._mode == SERIAL and choice > 0:  # a concurrent K timed: the draft works during it
                 self._mode, self._wanted = CONCURRENT, self.k_max
+            # (a plain step timed where serial rounds are best is one: the draft sits it out, then drafts the next
+            # speculation; paused instead, the round after it had nothing to verify and was a plain step too, 290-400
+            # ms for its one token with that drafting after it)
             self._record(choice, speeds, "explore", serial_speeds)
             return choice
         self._record(best, speeds, why, serial_speeds)
