@@ -80,15 +80,16 @@ class SSDMetrics:
     chooses it every round; 0 is a plain target step); `lookahead_decisions` says why, round by round: the
     acceptance estimates per draft position, the predicted tokens per second of every K considered, the target's
     verification time per K and the draft's round time they came from, whether K was the best, an exploration
-    of an unmeasured K, from the prior cost shape (before any verification was timed) or fixed, the most the round
-    could verify (`limit`), how deep the draft prepared next (`depth`: 0 = paused), the active rows the round
-    covered (`rows`), its target forward (`forward_ms`) and its whole time (`round_ms`); where just-in-time
-    drafting had a stop rule, the gain each further token had to bring (`stop_gain`), the calibrated acceptance per
-    confidence bin of a speculation's first and later tokens and of the token after one of that confidence
-    (`stop_tables`: the pair's, pooled over calls, with their log-odds shifted by `calibration_shift` toward this
-    call's own acceptance) and `at_least` when a second token was drafted to sample a_2; where serial rounds are
-    possible, `core_gain`: how many times faster a verification on every core was measured than one beside the
-    working draft (what an untimed plain step is guessed from); for a single row with serial
+    of an unmeasured K, from the prior cost shape (before any verification was timed) or fixed, or a "sure hand"
+    (plain steps best at the average acceptance, the speculation in hand verified for its tokens' confidences),
+    the most the round could verify (`limit`), how deep the draft prepared next (`depth`: 0 = paused), the active
+    rows the round covered (`rows`), its target forward (`forward_ms`) and its whole time (`round_ms`); where
+    just-in-time drafting had a stop rule, the gain each further token had to bring (`stop_gain`), the calibrated
+    acceptance per confidence bin of a speculation's first and later tokens and of the token after one of that
+    confidence (`stop_tables`: the pair's, pooled over calls, with their log-odds shifted by `calibration_shift`
+    toward this call's own acceptance) and `at_least` when a second token was drafted to sample a_2; where serial
+    rounds are possible, `core_gain`: how many times faster a verification on every core was measured than one
+    beside the working draft (what an untimed plain step is guessed from); for a single row with serial
     rounds possible, `confident_serial_tok_s`: their speed as deep as the draft's confidence makes worth it, what the
     serial mode was weighed at against plain steps when it beat the average acceptance's serial speeds.
     `fanout_budget_per_round` is how many branches per row the draft prepared beside each verification
