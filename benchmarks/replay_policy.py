@@ -39,6 +39,7 @@ import torch
 
 from hf_ssd.generation import confidence as confidence_module
 from hf_ssd.generation import lookahead as lookahead_module
+from hf_ssd.generation import observations as observations_module
 from hf_ssd.generation import probing as probing_module
 from hf_ssd.generation.candidate_generator import DraftTimings
 from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE
@@ -180,7 +181,10 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
     """(decode tokens, decode seconds, K per round) of one prompt under the policy (the first round left out). With
     the draft's `confidence` per position the policy conditions on it, as `draft_confidence=True` runs it."""
     clock = _Clock()
-    saved, lookahead_module.time = lookahead_module.time, clock
+    clocked = (lookahead_module, observations_module)  # the policy's modules that read the clock
+    saved = [module.time for module in clocked]
+    for module in clocked:
+        module.time = clock
     try:
         shape = FLAT_SHAPE if profile.get("flat") else CPU_SHAPE
         policy = LookaheadPolicy(k_max, adaptive=True, acceptance_prior=0.75, concurrent=True, memory=memory,
@@ -253,7 +257,8 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
         policy.metrics()
         return decode_tokens, decode_seconds, [e["k"] for e in policy.trace]
     finally:
-        lookahead_module.time = saved
+        for module, time_module in zip(clocked, saved):
+            module.time = time_module
 
 
 def _replay_sd_rounds(agree: list[int], profile: dict, drafted, fixed: float) -> tuple[float, float]:
