@@ -81,6 +81,16 @@ PROFILES = {
                              1700],
                      verify_all=[246, 270, 274, 476, 491, 514, 675, 682, 693, 845, 864, 870, 880, 890, 900, 910, 920],
                      draft_token=60.0, draft_token_all=41.0, draft_fixed_all=44.0, contention=1.19, overhead=5.0),
+    # the same Xeon type on 2026-12-06 (the eighteenth session's nine-set traces, MKL, 40-800 tokens of context):
+    # serial verifications of 1-3 positions 218-236 ms, 4-6 about twice that, 7-9 2.8x; 17 positions dip to 660 ms
+    # (measured on gsm8k and humaneval); a concurrent verification on one thread about twice the serial one; a
+    # serial speculation's first token 40 ms, each further one 36.5 ms, the loop 5 ms
+    "xeon-mkl-dec06": dict(verify=[420, 440, 450, 800, 810, 850, 1120, 1120, 1160, 1380, 1320, 1420, 1460, 1500,
+                                   1520, 1480, 1300],
+                           verify_all=[220, 230, 236, 437, 443, 465, 612, 612, 636, 758, 722, 778, 800, 876, 850,
+                                       820, 660],
+                           draft_token=38.0, draft_token_all=36.5, draft_fixed_all=40.0, contention=1.19,
+                           overhead=5.0),
     # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
     "xeon": dict(verify=[417, 430, 441, 441, 830, 860, 1100, 1170, 1200],
                  verify_all=[245, 260, 270, 270, 500, 520, 660, 700, 720],

@@ -19,6 +19,7 @@ import torch
 
 from ..generation.confidence import StopRule
 from . import wire
+from .allocator import tune_allocator
 from .executor import DraftCancelled
 from .threads import drafted_tokens, drafting_threads
 
@@ -205,6 +206,7 @@ def _error_payload(err: BaseException) -> tuple:
 def main(conn, control: torch.Tensor, threads: int) -> None:
     """Entry point of the spawned process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tune_allocator()  # before anything large is allocated: the draft's forwards reuse what they free
     # an int8 draft's weights are requantized on arrival; torch.ao's deprecation notice says nothing to the user
     warnings.filterwarnings("ignore", message="torch.quantize_per_tensor", category=UserWarning)
     start = time.perf_counter()
