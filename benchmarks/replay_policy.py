@@ -11,7 +11,8 @@ decoding loop drives it:
     python benchmarks/replay_policy.py replay runs.json --profile epyc
 
 `replay` prints decode tok/s per set for AR, SD at fixed K (serial drafting), transformers' default schedule (draft
-while the draft's confidence is at least 0.4, up to 20 tokens) and SSD with the policy, as ratios to AR. Runs recorded
+while the draft's confidence is at least 0.4, up to 20 tokens), SSD with the policy and the oracle (the fastest serial
+schedule of depths knowing every L_i: the bound on what choosing K per round can gain), as ratios to AR. Runs recorded
 with the draft's confidences replay the policy as `SSDConfig`'s defaults run it (`draft_confidence=True`): K from the
 speculation in hand's calibrated acceptance, serial speculations drafted just in time under the stop rule.
 
@@ -292,6 +293,26 @@ def replay_sd(agree: list[int], profile: dict, k: int) -> tuple[float, float]:
     return _replay_sd_rounds(agree, profile, lambda pos, most: min(k, most), profile["draft_token_all"])
 
 
+def replay_oracle(agree: list[int], profile: dict, deepest: int = 16) -> tuple[float, float]:
+    """(decode tokens, decode seconds) of the best serial schedule knowing every L_i in advance: each round drafts
+    and verifies the depth (0..`deepest`, 0 a plain step) that makes the whole answer fastest (dynamic programming
+    from its end). No policy can beat it with serial rounds; how far above SD at its best fixed K it lies is the
+    room adaptive depth has on this cost curve (the first round left out, as everywhere here)."""
+    n = len(agree)
+    fixed = profile.get("draft_fixed_all", profile["draft_token_all"])
+
+    def cost(depth: int) -> float:
+        drafting = fixed + (depth - 1) * profile["draft_token_all"] if depth else 0.0
+        return (_at(profile["verify_all"], depth) + drafting + profile["overhead"]) / 1e3
+
+    best = [0.0] * (n + 1)  # seconds from output position i to the end
+    for i in range(n - 1, -1, -1):
+        best[i] = min(cost(d) + best[min(i + min(agree[i], d) + 1, n)] for d in range(deepest + 1))
+    first = min(range(deepest + 1), key=lambda d: cost(d) + best[min(min(agree[0], d) + 1, n)]) if n else 0
+    start = min(min(agree[0], first) + 1, n) if n else 0
+    return n - start, best[start]
+
+
 def replay_sd_default(agree: list[int], confidence: list[float], profile: dict, threshold: float = 0.4,
                       most: int = 20) -> tuple[float, float]:
     """transformers' default assisted generation: the assistant drafts while its confidence is at least
@@ -354,10 +375,11 @@ def replay(args) -> int:
         t, s, ks = replay_ssd(agree, profile, args.lookahead, args.hit_rate, not args.no_serial, memory,
                               confidence, args.serial_lookahead)
         add("ssd", t, s)
+        add("oracle", *replay_oracle(agree, profile, args.serial_lookahead))
         if args.verbose:
             print(run["dataset"], run["index"], f"{(t / s if s else 0) / (1 / plain):.2f}x", ks)
     methods = ["ar", *[f"sd-k{k}" for k in args.sd], *(["sd-default"] if any(
-        "sd-default" in rows for rows in by_set.values()) else []), "ssd"]
+        "sd-default" in rows for rows in by_set.values()) else []), "ssd", "oracle"]
     print("| set | " + " | ".join(f"{m}/AR" for m in methods[1:]) + " |")
     print("|---|" + "---|" * (len(methods) - 1))
     pooled = {m: [0.0, 0.0] for m in methods}

@@ -68,3 +68,17 @@ def test_warm_up_leaves_the_first_prompts_opening_in_the_memory():
         replay_policy.warm_up(run, profile, 4, 1.0, True, memory, 8, run["confidence"])
         remembered[name] = memory.acceptance[1]
     assert remembered["hard"] < 0.75 < remembered["easy"], remembered
+
+
+@pytest.mark.parametrize("profile_name", ["epyc", "xeon-mkl-dec06", "xeon-packed"])
+def test_the_oracle_schedule_bounds_every_fixed_k_and_takes_plain_steps_where_nothing_is_accepted(profile_name):
+    profile = replay_policy.PROFILES[profile_name]
+    mixed = replay_policy.agreement_runs(([True] * 9 + [False]) * 4 + [False] * 20 + [True] * 23 + [False])
+    tokens, seconds = replay_policy.replay_oracle(mixed, profile)
+    for k in (1, 2, 4, 8):
+        sd_tokens, sd_seconds = replay_policy.replay_sd(mixed, profile, k)
+        assert tokens / seconds >= sd_tokens / sd_seconds - 1e-9
+    useless = replay_policy.agreement_runs([False] * 40)
+    tokens, seconds = replay_policy.replay_oracle(useless, profile)
+    plain = (profile["verify_all"][0] + profile["overhead"]) / 1e3
+    assert tokens == 39 and seconds == pytest.approx(39 * plain)  # every round a plain step: nothing to gain
