@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -52,6 +53,7 @@ def test_the_worker_tunes_its_allocator_first(monkeypatch):
     calls = []
     monkeypatch.setattr(worker, "tune_allocator", lambda: calls.append("tuned") or True)
     monkeypatch.setattr(worker.signal, "signal", lambda *a: calls.append("signal"))
+    monkeypatch.setattr(worker.torch, "set_num_threads", lambda n: calls.append(("threads", n)))  # not this process's
 
     class Closed:
         def send_bytes(self, data):
@@ -63,5 +65,6 @@ def test_the_worker_tunes_its_allocator_first(monkeypatch):
         def close(self):
             calls.append("closed")
 
-    worker.main(Closed(), None, 1)
+    with warnings.catch_warnings():  # main() adds a filter for its process
+        worker.main(Closed(), None, 1)
     assert calls[:2] == ["signal", "tuned"] and calls[-1] == "closed"
