@@ -305,11 +305,11 @@ def replay_oracle(agree: list[int], profile: dict, deepest: int = 16) -> tuple[f
         drafting = fixed + (depth - 1) * profile["draft_token_all"] if depth else 0.0
         return (_at(profile["verify_all"], depth) + drafting + profile["overhead"]) / 1e3
 
-    best = [0.0] * (n + 1)  # seconds from output position i to the end
+    best, after = [0.0] * (n + 1), [n] * (n + 1)  # seconds from output position i to the end; where its round ends
     for i in range(n - 1, -1, -1):
-        best[i] = min(cost(d) + best[min(i + min(agree[i], d) + 1, n)] for d in range(deepest + 1))
-    first = min(range(deepest + 1), key=lambda d: cost(d) + best[min(min(agree[0], d) + 1, n)]) if n else 0
-    start = min(min(agree[0], first) + 1, n) if n else 0
+        best[i], after[i] = min((cost(d) + best[end], end) for d in range(deepest + 1)
+                                for end in (min(i + min(agree[i], d) + 1, n),))
+    start = after[0]  # the first round left out
     return n - start, best[start]
 
 

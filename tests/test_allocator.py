@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
 
 import pytest
 
-from hf_ssd.runtime import worker
+from hf_ssd.runtime import allocator, worker
 
 # Six 8 MiB blocks allocated with malloc, touched and freed, ten times over (a forward's activations, round after
 # round); the minor page faults of the last ten rounds. Run in a child: the settings last for the process.
@@ -34,8 +35,10 @@ print(int(tuned), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(tuned: bool) -> tuple[int, int]:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(int(tuned))], capture_output=True, text=True, check=True)
+def _faults(tuned: bool, env: dict | None = None) -> tuple[int, int]:
+    env = {k: v for k, v in os.environ.items() if k not in allocator.USER_SETTINGS} | (env or {})
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(int(tuned))], capture_output=True, text=True, check=True,
+                         env=env)
     applied, faults = out.stdout.split()
     return int(applied), int(faults)
 
@@ -47,6 +50,12 @@ def test_tuned_allocator_reuses_freed_blocks_instead_of_faulting_them_in():
     assert faults == 0
     _, untuned = _faults(False)  # the control: glibc's defaults give the pages back and fault them in again
     assert untuned > 1000
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_malloc_settings_in_the_environment_stand():
+    applied, _ = _faults(True, {"MALLOC_TRIM_THRESHOLD_": str(128 << 10)})
+    assert applied == 0
 
 
 def test_the_worker_tunes_its_allocator_first(monkeypatch):

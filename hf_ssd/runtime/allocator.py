@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -20,10 +21,16 @@ MMAP_THRESHOLD = 32 << 20  # the most glibc allows: blocks up to 32 MiB come fro
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top kept up to 1 GiB
 
 
+# Where the user configured malloc (the process inherits the caller's environment), their settings stand, as
+# `openmp.openmp_wait_env` leaves a chosen OpenMP wait policy alone.
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+
 def tune_allocator() -> bool:
     """Fix glibc malloc's mmap and trim thresholds for this process (see the module docstring). True where they were
-    set; False elsewhere (not Linux, another C library), where nothing changes."""
-    if not sys.platform.startswith("linux"):
+    set; False elsewhere (not Linux, another C library, malloc configured in the environment: `USER_SETTINGS`),
+    where nothing changes."""
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in USER_SETTINGS):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
