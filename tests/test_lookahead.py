@@ -1072,6 +1072,32 @@ def test_a_step_on_every_core_gains_what_was_measured(clock):
     assert slower.core_gain() == 2.0  # more than the cores: the bound
 
 
+def test_an_unmeasured_concurrent_verification_costs_the_serial_one_times_the_gain_measured(clock):
+    """A verification beside the working draft runs the target on its share of the cores: where the gain of every
+    core has been measured (a concurrent and a serial K = 2 on a 2-core Xeon, 487 against 261 ms), an unmeasured
+    concurrent K = 4 costs at least the serial K = 4 (468 ms) times that gain, not the concurrent K = 2's 487 ms (it
+    took 910 for three tokens). Before any K is timed both ways the floor is the serial time itself (optimistic:
+    the first concurrent round is how the gain gets measured); a measured concurrent K stands as measured."""
+    policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.9, concurrent=True, cost_shape=CPU_SHAPE,
+                             serial=True, every_core=2.0)
+    for k, seconds in ((2, 0.261), (4, 0.468)):
+        policy.serial_verify[k] = DecayedMean(0.5)
+        policy.serial_verify[k].add(seconds)
+    _measured(policy, {0: 0.222})
+    unknown = policy.round_seconds(4, policy.times(), policy.serial_times())
+    assert policy.measured_core_gain() is None
+    assert 0.468 <= unknown < 0.468 * 2.0  # the serial time, not the bound: the gain is not measured yet
+    _measured(policy, {0: 0.222, 2: 0.487})
+    gain = policy.measured_core_gain()
+    assert gain == pytest.approx(0.487 / 0.261)
+    table, serial = policy.times(), policy.serial_times()
+    assert policy.verify_seconds(4, table) == pytest.approx(0.487)  # the guess along the concurrent curve alone
+    assert policy.round_seconds(4, table, serial) >= 0.468 * gain  # floored by the serial one times the gain
+    assert policy.round_seconds(2, table, serial) < 0.487 * 1.1  # a measured K: as measured
+    _measured(policy, {0: 0.222, 2: 0.487, 4: 0.700})
+    assert policy.round_seconds(4, policy.times(), policy.serial_times()) < 0.468 * gain  # measured: it stands
+
+
 def test_a_serial_verification_is_never_guessed_below_a_plain_step():
     """A serial round verifies its draft tokens on every core, as a plain step makes one: from a serial K = 4 timed
     at 475 ms, K = 1 guessed in proportion to positions came to 190 ms beside a 242 ms plain step, and a useless

@@ -154,6 +154,12 @@ class RoundCosts:
         gains the target nothing (a serial K = 4 in 692 ms, a concurrent one in 733), and the bound, 2x, guessed a
         2-row plain step at 327 ms that took 684: two rounds of a 48-token batch spent on plain steps and a serial
         K = 1 tried beside concurrent K = 4 rounds that brought five tokens a row."""
+        measured = self.measured_core_gain()
+        return self.every_core if measured is None else measured
+
+    def measured_core_gain(self) -> float | None:
+        """`core_gain` as measured (this call's timings, else earlier calls'); None before any K was timed both
+        ways."""
         sources = [(_values(self.verify_by_rows), _values(self.serial_verify_by_rows))]
         if self.memory is not None:
             sources.append((self.memory.by_rows(self.setting), self.memory.by_rows(self.setting, serial=True)))
@@ -162,7 +168,7 @@ class RoundCosts:
                       if k >= 1 and t > 0 and k in beside.get(rows, {})]
             if ratios:
                 return min(max(statistics.median(ratios), 1.0), self.every_core)
-        return self.every_core
+        return None
 
     def _remembered(self, serial: bool = False) -> dict[int, float]:
         """Times known beside this call's own at the active rows: earlier calls' in this setting (`LookaheadMemory`),
@@ -218,7 +224,7 @@ class RoundCosts:
         verify = self.verify_seconds(k, measured)
         if verify is None:
             return None
-        floor = self.concurrent_floor(k, measured, serial)
+        floor = self.concurrent_floor(k, measured, serial, self.measured_core_gain() or 1.0)
         if floor is not None:
             verify = max(verify, floor)
         if k == 0:
@@ -229,15 +235,20 @@ class RoundCosts:
         return body + max(self.overhead.value or 0.0, 0.0) + miss
 
     @staticmethod
-    def concurrent_floor(k: int, measured: dict[int, float], serial: dict[int, float] | None) -> float | None:
-        """A lower bound of an unmeasured verification of k >= 1 tokens beside the working draft: a serial round's
-        (on every core, the draft idle) of k tokens or fewer, which it can only match with the draft competing for
-        the machine (on 2 cores one target thread took 527 ms where two took 275); None where none is timed or k is
-        measured."""
+    def concurrent_floor(k: int, measured: dict[int, float], serial: dict[int, float] | None, gain: float = 1.0
+                         ) -> float | None:
+        """A floor of an unmeasured verification of k >= 1 tokens beside the working draft: a serial round's (on
+        every core, the draft idle) of k tokens or fewer, which it can only match with the draft competing for the
+        machine (on 2 cores one target thread took 527 ms where two took 275), times `gain`, what the verifications
+        timed both ways showed a step beside the draft loses to one on every core (`measured_core_gain`; 1 before
+        any was: then a bound). Guessed as cheap as the concurrent K below it instead, a 4-token verification beside
+        the draft was tried at long contexts (rag on a 2-core Xeon: serial K = 4 timed at 468 ms, a concurrent K = 2
+        at 487 and a gain of 1.87) and took 910 ms for three tokens, once in each call. None where none is timed or
+        k is measured."""
         below = [t for n, t in (serial or {}).items() if 1 <= n <= k]
         if k < 1 or k in measured or not below:
             return None
-        return max(below)
+        return max(below) * gain
 
     def draft_seconds(self) -> float:
         """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
