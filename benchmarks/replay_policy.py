@@ -11,8 +11,10 @@ decoding loop drives it:
     python benchmarks/replay_policy.py replay runs.json --profile epyc
 
 `replay` prints decode tok/s per set for AR, SD at fixed K (serial drafting), transformers' default schedule (draft
-while the draft's confidence is at least 0.4, up to 20 tokens), SSD with the policy and the oracle (the fastest serial
-schedule of depths knowing every L_i: the bound on what choosing K per round can gain), as ratios to AR. Runs recorded
+while the draft's confidence is at least 0.4, up to 20 tokens), SSD with the policy, with `--rule` the fastest fixed
+rule on the draft's confidence (`ConfidenceRule`, fitted on the other half of the prompts: what confidence alone makes
+of the cost curve, without foresight), and the oracle (the fastest serial schedule of depths knowing every L_i: the
+bound on what choosing K per round can gain), as ratios to AR. Runs recorded
 with the draft's confidences replay the policy as `SSDConfig`'s defaults run it (`draft_confidence=True`): K from the
 speculation in hand's calibrated acceptance, serial speculations drafted just in time under the stop rule.
 
@@ -313,6 +315,66 @@ def replay_oracle(agree: list[int], profile: dict, deepest: int = 16) -> tuple[f
     return n - start, best[start]
 
 
+@dataclass(frozen=True)
+class ConfidenceRule:
+    """A fixed rule on the draft's confidence alone, serial rounds as SD's: draft the first token; below `first` it
+    is not verified (a plain step that paid for one drafted token); else draft `base` tokens and on while the latest
+    one's confidence is at least `sure` (up to 16), and verify the whole speculation when it ran `deep` tokens or more,
+    `base` of it otherwise. What the draft's confidence can do without foresight: the policy's reference short of
+    the oracle."""
+
+    first: float
+    base: int
+    sure: float
+    deep: int
+
+
+RULES = [ConfidenceRule(first, base, sure, deep) for first in (0.0, 0.1, 0.2, 0.3, 0.4) for base in (1, 2, 3, 4)
+         for sure in (0.5, 0.7, 0.8, 0.9, 0.95, 0.98) for deep in (3, 4, 5, 6, 8, 17)]
+
+
+def replay_rule(agree: list[int], confidence: list[float], profile: dict, rule: ConfidenceRule, deepest: int = 16
+                ) -> tuple[float, float]:
+    """(decode tokens, decode seconds) of `rule` (the first round left out, as everywhere here)."""
+    fixed = profile.get("draft_fixed_all", profile["draft_token_all"])
+    pos, tokens, seconds, first, n = 0, 0, 0.0, True, len(agree)
+    while pos < n:
+        left = n - pos - 1
+        if confidence[pos] < rule.first:
+            drafted, k = min(1, left), 0
+        else:
+            drafted = min(rule.base, left)
+            while drafted < min(deepest, left) and confidence[pos + drafted - 1] >= rule.sure:
+                drafted += 1
+            k = drafted if drafted >= rule.deep else min(drafted, rule.base)
+        accepted = min(agree[pos], k)
+        draft = fixed + (drafted - 1) * profile["draft_token_all"] if drafted else 0.0
+        wall = (_at(profile["verify_all"], k) + draft + profile["overhead"]) / 1e3
+        pos += accepted + 1
+        if not first:
+            tokens, seconds = tokens + accepted + 1, seconds + wall
+        first = False
+    return tokens, seconds
+
+
+def fit_rule(runs: list[tuple[list[int], list[float]]], profile: dict, deepest: int = 16) -> ConfidenceRule:
+    """The rule of `RULES` fastest over `runs` ((agreement runs, confidences) pairs), pooled."""
+    def speed(rule: ConfidenceRule) -> float:
+        totals = [replay_rule(agree, confidence, profile, rule, deepest) for agree, confidence in runs]
+        return sum(t for t, _ in totals) / max(sum(s for _, s in totals), 1e-9)
+    return max(RULES, key=speed)
+
+
+def held_out_rules(runs: list[dict], profile: dict, max_new_tokens: int, deepest: int = 16
+                   ) -> dict[int, ConfidenceRule]:
+    """Per run (its position in `runs`): the rule fitted on the runs of the other prompt-index parity, so that each
+    answer is replayed under a rule that never saw it (two folds)."""
+    folds = {parity: [(r["agree"][:max_new_tokens], r["confidence"][:max_new_tokens]) for r in runs
+                      if r["index"] % 2 != parity and r.get("confidence")] for parity in (0, 1)}
+    fitted = {parity: fit_rule(pairs, profile, deepest) for parity, pairs in folds.items() if pairs}
+    return {i: fitted[r["index"] % 2] for i, r in enumerate(runs) if r["index"] % 2 in fitted}
+
+
 def replay_sd_default(agree: list[int], confidence: list[float], profile: dict, threshold: float = 0.4,
                       most: int = 20) -> tuple[float, float]:
     """transformers' default assisted generation: the assistant drafts while its confidence is at least
@@ -354,7 +416,9 @@ def replay(args) -> int:
         warm_up(runs[0], profile, args.lookahead, args.hit_rate, not args.no_serial, memory, args.warm_up,
                 None if args.no_confidence else runs[0].get("confidence"), args.serial_lookahead)
     by_set: dict[str, dict[str, list[float]]] = {}
-    for run in runs:
+    rules = held_out_rules(runs, profile, args.max_new_tokens, args.serial_lookahead) if (
+        args.rule and not args.no_confidence) else {}
+    for number, run in enumerate(runs):
         agree = run["agree"][: args.max_new_tokens]
         plain = profile["verify_all"][0] / 1e3 + profile["overhead"] / 1e3
         rows = by_set.setdefault(run["dataset"], {})
@@ -375,11 +439,18 @@ def replay(args) -> int:
         t, s, ks = replay_ssd(agree, profile, args.lookahead, args.hit_rate, not args.no_serial, memory,
                               confidence, args.serial_lookahead)
         add("ssd", t, s)
+        if number in rules:
+            add("rule", *replay_rule(agree, confidence, profile, rules[number], args.serial_lookahead))
         add("oracle", *replay_oracle(agree, profile, args.serial_lookahead))
         if args.verbose:
             print(run["dataset"], run["index"], f"{(t / s if s else 0) / (1 / plain):.2f}x", ks)
     methods = ["ar", *[f"sd-k{k}" for k in args.sd], *(["sd-default"] if any(
-        "sd-default" in rows for rows in by_set.values()) else []), "ssd", "oracle"]
+        "sd-default" in rows for rows in by_set.values()) else []), "ssd", *(["rule"] if rules else []), "oracle"]
+    if rules and args.verbose:
+        for parity in (0, 1):
+            fitted = next((rules[i] for i, r in enumerate(runs) if i in rules and r["index"] % 2 == parity), None)
+            if fitted is not None:
+                print(f"rule for prompts of index parity {parity} (fitted on the others): {fitted}")
     print("| set | " + " | ".join(f"{m}/AR" for m in methods[1:]) + " |")
     print("|---|" + "---|" * (len(methods) - 1))
     pooled = {m: [0.0, 0.0] for m in methods}
@@ -429,6 +500,9 @@ def main(argv=None) -> int:
     rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                      help="override a constant of hf_ssd.generation.lookahead, .probing or .confidence (e.g. "
                           "PROBE_EVERY=16)")
+    rep.add_argument("--rule", action="store_true",
+                     help="also replay the fastest fixed rule on the draft's confidence (`ConfidenceRule`), each "
+                          "answer under the rule fitted on the answers of the other prompt-index parity")
     rep.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     return record(args) if args.command == "record" else replay(args)

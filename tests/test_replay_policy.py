@@ -82,3 +82,33 @@ def test_the_oracle_schedule_bounds_every_fixed_k_and_takes_plain_steps_where_no
     tokens, seconds = replay_policy.replay_oracle(useless, profile)
     plain = (profile["verify_all"][0] + profile["overhead"]) / 1e3
     assert tokens == 39 and seconds == pytest.approx(39 * plain)  # every round a plain step: nothing to gain
+
+
+def test_the_confidence_rule_follows_the_drafts_confidence_and_is_fitted_on_the_other_prompts():
+    """`ConfidenceRule`: a sure draft's runs are drafted and verified deep, an unsure first token is a plain step
+    (one token drafted, none verified); `held_out_rules` replays each answer under the rule fitted on the answers of
+    the other prompt-index parity, and the oracle bounds it."""
+    profile = replay_policy.PROFILES["epyc"]
+    matches = ([True] * 9 + [False]) * 4 + [False] * 20 + [True] * 23 + [False]
+    agree = replay_policy.agreement_runs(matches)
+    confidence = [0.99 if m else 0.05 for m in matches]  # the draft knows when it is right
+    deep = replay_policy.ConfidenceRule(first=0.3, base=3, sure=0.9, deep=5)
+    tokens, seconds = replay_policy.replay_rule(agree, confidence, profile, deep)
+    assert tokens == len(matches) - 10  # the first round (9 drafted and accepted, and the bonus) left out
+    sd_tokens, sd_seconds = replay_policy.replay_sd(agree, profile, 4)
+    assert tokens / seconds > 1.2 * sd_tokens / sd_seconds
+    oracle_tokens, oracle_seconds = replay_policy.replay_oracle(agree, profile)
+    assert tokens / seconds <= oracle_tokens / oracle_seconds + 1e-9
+    useless = replay_policy.agreement_runs([False] * 40)
+    unsure = [0.05] * 40
+    tokens, seconds = replay_policy.replay_rule(useless, unsure, profile, deep)
+    plain = (profile["verify_all"][0] + profile["overhead"]) / 1e3
+    drafted = profile.get("draft_fixed_all", profile["draft_token_all"]) / 1e3
+    # plain steps, each after one drafted token (none after the last: nothing is left to draft)
+    assert tokens == 39 and seconds == pytest.approx(39 * plain + 38 * drafted)
+    runs = [{"dataset": "code", "index": i, "agree": agree, "confidence": confidence} for i in range(2)] + [
+        {"dataset": "noise", "index": i, "agree": useless, "confidence": unsure} for i in range(2, 4)]
+    rules = replay_policy.held_out_rules(runs, profile, 64)
+    assert sorted(rules) == [0, 1, 2, 3]
+    assert rules[0] == rules[2] == replay_policy.fit_rule([(agree, confidence), (useless, unsure)], profile)
+    assert rules[0].first > 0.05 and rules[0].sure <= 0.99  # plain steps on noise, deep on the sure runs
