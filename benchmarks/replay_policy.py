@@ -238,7 +238,7 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
                                   backup_calls=timings.backup_calls + 1,
                                   backup_seconds=timings.backup_seconds + depth * t_token)
             pos += accepted + 1
-            just_in_time, stop = policy.just_in_time()
+            just_in_time, stop = policy.just_in_time(max(n - pos - 1, 0))
             serial_len = _stopped_length(stop, confidence, pos, just_in_time) if (
                 just_in_time and confidence is not None) else just_in_time
             serial_s = t_fixed_all + (serial_len - 1) * t_token_all if serial_len else 0.0

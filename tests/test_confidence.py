@@ -601,8 +601,8 @@ def test_greedy_identical_under_the_learnt_confidence_policy():
     assert drafted and all(e["k"] <= e["drafted"] for e in drafted), decisions
 
 
-# 4 new tokens: a plain step into a serial round asking for 3 (stopping after 1, 2, all or 3), another, a concurrent
-# round
+# 4 new tokens counted of 6 generated (so that the room left lets a 3-token speculation stop early): a plain step into
+# a serial round asking for 3 (stopping after 1, 2, all or 3), another, a concurrent round
 LAW_STOP_SCRIPT = [(0, 0, 3), (2, 0, 3), (3, 3)]
 
 
@@ -616,7 +616,7 @@ def test_sampling_law_when_speculations_stop_early(monkeypatch, law_models, draf
     _script_stops(monkeypatch, STOP_GAINS)
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=c, backup="draft", executor=executor)
-    counts, hits, misses = ssd_samples(target, law_models[draft], config, sampling, seed=131)
+    counts, hits, misses = ssd_samples(target, law_models[draft], config, sampling, seed=131, generated=6)
     pvalues = law_pvalues(exact_law(target, sampling), counts)
     print(f"p-values {pvalues}, hits {hits}, misses {misses}")
     assert min(pvalues.values()) >= ALPHA, pvalues
@@ -630,7 +630,8 @@ def test_negative_control_q_shifted_when_drafting_stops_early(monkeypatch, law_m
     shift_just_in_time_q(monkeypatch, lambda phase, asked, drafted: drafted < asked)
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, saguaro_c=0.3, backup="draft", executor="sync")
-    counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=132, samples=SAMPLES)
+    counts, _, _ = ssd_samples(target, law_models["self"], config, TEMPERATURE, seed=132, samples=SAMPLES,
+                               generated=6)
     pvalues = law_pvalues(exact_law(target, TEMPERATURE), counts)
     print(f"negative control p-values {pvalues}")
     assert min(pvalues.values()) < REJECT, pvalues

@@ -315,19 +315,24 @@ def exact_law(model, sampling: dict, prompt: tuple[int, ...] = tuple(PROMPT)) ->
     return _EXACT[key]
 
 
-def ssd_samples(target, draft, config: SSDConfig, sampling: dict, seed: int, samples: int = SAMPLES):
-    """Counts [V] * NEW_TOKENS of SSD continuations and (cache hits, cache misses) summed over the samples."""
+def ssd_samples(target, draft, config: SSDConfig, sampling: dict, seed: int, samples: int = SAMPLES,
+                generated: int = NEW_TOKENS):
+    """Counts [V] * NEW_TOKENS of SSD continuations and (cache hits, cache misses) summed over the samples. With
+    `generated` > NEW_TOKENS each call generates that many and the first NEW_TOKENS are counted (their law is the
+    same): drafting stops where the next round can verify no more (`Batch.room`), so a longer call leaves a
+    just-in-time speculation room to stop early of its own accord."""
     counts = np.zeros([E2E_VOCAB] * NEW_TOKENS, dtype=np.int64)
     hits = misses = 0
     input_ids = torch.tensor([PROMPT])
     torch.manual_seed(seed)
     for _ in range(samples):
         out = target.generate(
-            input_ids, assistant_model=draft, ssd_config=config, do_sample=True, max_new_tokens=NEW_TOKENS,
+            input_ids, assistant_model=draft, ssd_config=config, do_sample=True, max_new_tokens=generated,
             **sampling,
         )
         continuation = out[0, len(PROMPT):].tolist()
-        assert len(continuation) == NEW_TOKENS
+        assert len(continuation) == generated
+        continuation = continuation[:NEW_TOKENS]
         counts[tuple(continuation)] += 1
         metrics = target.ssd_metrics
         hits += metrics.cache_hits

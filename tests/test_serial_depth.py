@@ -106,6 +106,34 @@ def test_without_a_stop_rule_serial_drafting_stays_within_k():
     assert serial == 10 and stop is not None
 
 
+def test_serial_drafting_stops_where_the_next_round_can_verify_no_more():
+    """Near max_new_tokens a sure run drafted 16 tokens for a round that could verify one: just-in-time drafting is
+    capped at the room the rows have left (`Batch.room`), and the trace says how deep it went."""
+    policy = _serial_policy(serial_lookahead=10)
+    policy.choose(3, confidence=[torch.full((3,), 0.99)])
+    policy.depth(3)
+    policy.serial_token.add(0.004)
+    assert policy.just_in_time(room=20)[0] == 10  # room to spare: as the rule says
+    serial, stop = policy.just_in_time(room=2)
+    assert serial == 2 and stop is not None and policy.trace[-1]["serial"] == 2
+    assert policy.just_in_time(room=0)[0] == 0
+
+
+def test_a_batchs_room_is_what_max_length_and_the_positions_leave():
+    from transformers import GenerationConfig
+
+    from hf_ssd.generation.rows import Batch
+
+    config = GenerationConfig(max_length=16)
+    rows = Batch(torch.zeros(2, 10, dtype=torch.long), [], config)
+    rows.rows[1].ids = torch.zeros(12, dtype=torch.long)  # one row further on: the other bounds max_length's room
+    assert rows.room(16, 4096) == 16 - 10 - 1
+    assert rows.room(16, 13) == 13 - 12 - 1  # the position embeddings bound the furthest row
+    rows.rows[0].ids = torch.zeros(15, dtype=torch.long)  # both rows one token from max_length: the bonus only
+    rows.rows[1].ids = torch.zeros(15, dtype=torch.long)
+    assert rows.room(16, 4096) == 0
+
+
 def test_concurrent_rounds_stay_within_k():
     """Without serial rounds (a draft on its own device) every speculation is prepared K deep and verified so."""
     policy = _serial_policy(serial_lookahead=10)

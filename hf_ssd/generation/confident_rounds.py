@@ -142,12 +142,19 @@ class ConfidentRounds:
         drafted = self.serial_length.value if self.serial_length.value is not None else self.k_max
         return verify + self.serial_drafting_seconds(drafted) + max(self.overhead.value or 0.0, 0.0)
 
-    def just_in_time(self) -> tuple[int, StopRule | None]:
+    def just_in_time(self, room: int | None = None) -> tuple[int, StopRule | None]:
         """(tokens the draft drafts just in time after this verification, where it stops early): a serial round's
         speculation runs up to `k_serial` deep under the stop rule, at most K_max without one (the draft's cost per
-        token not measured yet); (0, rule) otherwise (the rule then bounds a draft backup on a miss)."""
+        token not measured yet), never past `room`, what the next round can still verify (`Batch.room`: near
+        max_new_tokens a sure run drafted 16 tokens for a round that could verify one, 0.6 s thrown away on a
+        2-core Xeon); (0, rule) otherwise (the rule then bounds a draft backup on a miss)."""
         stop = self.stop_rule()
-        return (self.serial if stop is not None else min(self.serial, self.k_max)), stop
+        serial = self.serial if stop is not None else min(self.serial, self.k_max)
+        if room is not None and serial > room:
+            serial = room
+            if self.trace:
+                self.trace[-1]["serial"] = serial
+        return serial, stop
 
     def stop_rule(self) -> StopRule | None:
         """Where this round's just-in-time drafting (the serial speculation, a draft backup on a miss) stops: once no

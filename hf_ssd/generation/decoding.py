@@ -109,7 +109,7 @@ def ssd_decoding(
             with phase("wait_prepare"):
                 preparing.result()
             backup = backups.decide(recorder, drafter.timings(), len(batch.active))
-            serial, stop = policy.just_in_time()
+            serial, stop = policy.just_in_time(batch.room(generation_config.max_length, target.max_positions))
             with phase("wait_resolve"):
                 resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup, serial,
                                               stop).result()

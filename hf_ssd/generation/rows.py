@@ -78,13 +78,17 @@ class Batch:
             row.speculation = speculation
 
     def verifiable(self, max_length: int, max_positions: int) -> int:
-        """The most draft tokens this round can verify: the speculations' length, what the least advanced row can
-        still use under `max_length` (the last position is the bonus; rows further on are capped when they emit),
-        never past the position embeddings."""
+        """The most draft tokens this round can verify: the speculations' length within `room`."""
+        drafted = min(row.speculation.tokens.shape[0] for row in self.active)
+        return min(drafted, self.room(max_length, max_positions))
+
+    def room(self, max_length: int, max_positions: int) -> int:
+        """The most draft tokens the next round could verify, however many are drafted: what the least advanced row
+        can still use under `max_length` (the last position is the bonus; rows further on are capped when they
+        emit), never past the position embeddings. Drafting past it is work thrown away."""
         shortest = min(row.ids.shape[0] for row in self.active)
         longest = max(row.ids.shape[0] for row in self.active)
-        drafted = min(row.speculation.tokens.shape[0] for row in self.active)
-        return max(0, min(drafted, max_length - shortest - 1, max_positions - longest - 1))
+        return max(0, min(max_length - shortest - 1, max_positions - longest - 1))
 
     def emit(self, verdict: Verdict, recorder) -> list[int]:
         """Append each active row's accepted tokens and bonus, stopping at the first token a stopping criterion
