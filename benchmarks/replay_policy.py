@@ -367,12 +367,12 @@ def fit_rule(runs: list[tuple[list[int], list[float]]], profile: dict, deepest: 
 
 def held_out_rules(runs: list[dict], profile: dict, max_new_tokens: int, deepest: int = 16
                    ) -> dict[int, ConfidenceRule]:
-    """Per run (its position in `runs`): the rule fitted on the runs of the other prompt-index parity, so that each
-    answer is replayed under a rule that never saw it (two folds)."""
+    """Per run with confidences (its position in `runs`): the rule fitted on the runs of the other prompt-index
+    parity, so that each answer is replayed under a rule that never saw it (two folds)."""
     folds = {parity: [(r["agree"][:max_new_tokens], r["confidence"][:max_new_tokens]) for r in runs
                       if r["index"] % 2 != parity and r.get("confidence")] for parity in (0, 1)}
     fitted = {parity: fit_rule(pairs, profile, deepest) for parity, pairs in folds.items() if pairs}
-    return {i: fitted[r["index"] % 2] for i, r in enumerate(runs) if r["index"] % 2 in fitted}
+    return {i: fitted[r["index"] % 2] for i, r in enumerate(runs) if r.get("confidence") and r["index"] % 2 in fitted}
 
 
 def replay_sd_default(agree: list[int], confidence: list[float], profile: dict, threshold: float = 0.4,

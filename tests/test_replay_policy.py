@@ -108,7 +108,7 @@ def test_the_confidence_rule_follows_the_drafts_confidence_and_is_fitted_on_the_
     assert tokens == 39 and seconds == pytest.approx(39 * plain + 38 * drafted)
     runs = [{"dataset": "code", "index": i, "agree": agree, "confidence": confidence} for i in range(2)] + [
         {"dataset": "noise", "index": i, "agree": useless, "confidence": unsure} for i in range(2, 4)]
-    rules = replay_policy.held_out_rules(runs, profile, 64)
-    assert sorted(rules) == [0, 1, 2, 3]
+    rules = replay_policy.held_out_rules(runs + [{"dataset": "old", "index": 4, "agree": agree}], profile, 64)
+    assert sorted(rules) == [0, 1, 2, 3]  # a run recorded without confidences has no rule to replay
     assert rules[0] == rules[2] == replay_policy.fit_rule([(agree, confidence), (useless, unsure)], profile)
     assert rules[0].first > 0.05 and rules[0].sure <= 0.99  # plain steps on noise, deep on the sure runs
