@@ -224,9 +224,9 @@ class RoundCosts:
         verify = self.verify_seconds(k, measured)
         if verify is None:
             return None
-        floor = self.concurrent_floor(k, measured, serial, self.measured_core_gain() or 1.0)
-        if floor is not None:
-            verify = max(verify, floor)
+        floor = self.concurrent_floor(k, measured, serial)
+        if floor is not None:  # the gain the cores were measured to bring, where known (1 until then: a bound)
+            verify = max(verify, floor * (self.measured_core_gain() or 1.0))
         if k == 0:
             return verify + max(self.overhead.value or 0.0, 0.0)
         draft = self.draft_seconds()
@@ -235,20 +235,18 @@ class RoundCosts:
         return body + max(self.overhead.value or 0.0, 0.0) + miss
 
     @staticmethod
-    def concurrent_floor(k: int, measured: dict[int, float], serial: dict[int, float] | None, gain: float = 1.0
-                         ) -> float | None:
-        """A floor of an unmeasured verification of k >= 1 tokens beside the working draft: a serial round's (on
-        every core, the draft idle) of k tokens or fewer, which it can only match with the draft competing for the
-        machine (on 2 cores one target thread took 527 ms where two took 275), times `gain`, what the verifications
-        timed both ways showed a step beside the draft loses to one on every core (`measured_core_gain`; 1 before
-        any was: then a bound). Guessed as cheap as the concurrent K below it instead, a 4-token verification beside
-        the draft was tried at long contexts (rag on a 2-core Xeon: serial K = 4 timed at 468 ms, a concurrent K = 2
-        at 487 and a gain of 1.87) and took 910 ms for three tokens, once in each call. None where none is timed or
-        k is measured."""
+    def concurrent_floor(k: int, measured: dict[int, float], serial: dict[int, float] | None) -> float | None:
+        """A lower bound of an unmeasured verification of k >= 1 tokens beside the working draft: a serial round's
+        (on every core, the draft idle) of k tokens or fewer, which it can only match with the draft competing for
+        the machine (on 2 cores one target thread took 527 ms where two took 275); None where none is timed or k is
+        measured. `round_seconds` raises it by the gain the cores were measured to bring (`measured_core_gain`):
+        guessed as cheap as the concurrent K below it instead, a 4-token verification beside the draft was tried at
+        long contexts (rag on a 2-core Xeon: serial K = 4 timed at 468 ms, a concurrent K = 2 at 487, a gain of
+        1.87) and took 910 ms for three tokens, once in each call."""
         below = [t for n, t in (serial or {}).items() if 1 <= n <= k]
         if k < 1 or k in measured or not below:
             return None
-        return max(below) * gain
+        return max(below)
 
     def draft_seconds(self) -> float:
         """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
