@@ -151,6 +151,30 @@ def test_stop_rule_drafts_while_the_next_token_pays():
     assert _drafted(StopRule(rising, 0.3), 4, confidence=0.3) == 1
 
 
+def test_a_batch_drafts_on_while_its_rows_expect_the_next_token_to_pay_on_average():
+    """Every row of a batch waits for a drafted token, so the rows' gains are averaged: one sure row (f 0.95, its
+    next token worth 0.90) and one hesitant row (f 0.1, worth 0.01) expect 0.455 on average, under a gain of 0.5:
+    the batch stops after its first token, where the sure row drafting alone (the other a rider) goes on."""
+    table = tuple(0.95 if edge > 0.9 else 0.1 for edge in (*EDGES, 1.0))
+    rule = StopRule(table, 0.5)
+    confidence = torch.tensor([0.99, 0.15])
+
+    def drafted(rows: torch.Tensor, length: int = 4) -> int:
+        reach = torch.ones(2)
+        for i in range(length - 1):
+            going, reach = rule.keeps_going(reach, confidence, rows, i + 1)
+            if not going:
+                return i + 1
+        return length
+
+    assert drafted(torch.tensor([True, True])) == 1
+    assert drafted(torch.tensor([True, False])) == 4  # 0.90, 0.86, 0.81: each worth its 0.5
+    assert drafted(torch.tensor([False, True])) == 1
+    assert drafted(torch.tensor([False, False])) == 1  # no row drafting: nothing pays
+    # at a gain under the mean the pair goes on together
+    assert StopRule(table, 0.4).keeps_going(torch.ones(2), confidence, torch.tensor([True, True]), 1)[0]
+
+
 def test_the_next_token_is_priced_by_what_follows_a_token_of_that_confidence():
     """The rule decides whether to draft a token before its confidence is known: it reads the acceptance of a token
     after one of the latest token's confidence (`next`), learnt apart from a token's own (`later`). Hesitant tokens

@@ -194,19 +194,19 @@ def expected_tokens_per_row(acceptance: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StopRule:
-    """Where just-in-time drafting stops: after a token, when no row expects the next one to be worth drafting,
-    i.e. reach × f_next(c) < the gain of the next token for every row (reach: Π f over the row's tokens so far, the
-    first by `table`, the others by `later`; c: the latest token's confidence, f_next(c) the acceptance of a token
-    after one of that confidence). `table` and `later` are f per bin of a speculation's first token and of the ones
-    after it (`ConfidenceCalibration.tables`; `later` defaults to `table`), `next` f of the token after one of
+    """Where just-in-time drafting stops: after a token, when the rows drafting do not expect the next one to be worth
+    drafting, i.e. their mean reach × f_next(c) < the gain of the next token (reach: Π f over the row's tokens so
+    far, the first by `table`, the others by `later`; c: the latest token's confidence, f_next(c) the acceptance of a
+    token after one of that confidence). `table` and `later` are f per bin of a speculation's first token and of the
+    ones after it (`ConfidenceCalibration.tables`; `later` defaults to `table`), `next` f of the token after one of
     confidence c (`ConfidenceCalibration.next_table`; defaults to `later`: the latest token's confidence standing in
-    for the next one's). A token's gain is the expected tokens it must bring
-    to pay for itself (the round's speed times its cost): `gain` for drafting it, plus `extra[n - 1]` for verifying
-    it as the (n + 1)-th (the cost curve's step there; the last one past the end, none when empty); the next token is
-    drafted when some run of further tokens pays for itself as a whole (`_worth`: past a jump in the curve, the
-    tokens beyond it share its price). `at_least`: the tokens drafted whatever the rule says (2: the second is the
-    free sample of the next position's acceptance, see `LookaheadPolicy.stop_rule`). Plain data: it crosses to a
-    worker process as `to_list` / `from_list`."""
+    for the next one's). A token's gain is the expected tokens it must bring to pay for itself (the round's speed times
+    its cost): `gain` for drafting it, plus `extra[n - 1]` for verifying it as the (n + 1)-th (the cost curve's step
+    there; the last one past the end, none when empty); the next token is drafted when some run of further tokens
+    pays for itself as a whole (`_worth`: past a jump in the curve, the tokens beyond it share its price).
+    `at_least`: the tokens drafted whatever the rule says (2: the second is the free sample of the next position's
+    acceptance, see `LookaheadPolicy.stop_rule`). Plain data: it crosses to a worker process as `to_list` /
+    `from_list`."""
 
     table: tuple[float, ...]
     gain: float
@@ -233,20 +233,25 @@ class StopRule:
         reach = reach * lookup[FIRST if drafted == 1 else LATER][bins]
         if drafted < self.at_least:
             return True, reach
-        return bool((self._worth(reach, lookup[NEXT][bins], drafted) & rows).any()), reach
+        return self._worth(reach[rows], lookup[NEXT][bins][rows], drafted), reach
 
-    def _worth(self, reach: torch.Tensor, f: torch.Tensor, drafted: int) -> torch.Tensor:
-        """Per row: whether drafting some h >= 1 more tokens (up to the longest speculation `extra` covers) is
-        expected to pay: reach × Σ_{i<=h} f^i >= Σ of their gains. A jump in the cost curve followed by flat
-        positions is crossed where the tokens past it pay for it (the real pair on code: 6 verified positions
-        cost 33 ms more than 5, the next ones 1-13 ms each; priced one token at a time, every speculation stopped
-        at 5 tokens where assisted generation's confident drafts ran 21)."""
+    def _worth(self, reach: torch.Tensor, f: torch.Tensor, drafted: int) -> bool:
+        """Whether drafting some h >= 1 more tokens (up to the longest speculation `extra` covers) is expected to pay
+        for the rows drafting (`reach`, `f`: theirs), on average over them: mean(reach × Σ_{i<=h} f^i) >= Σ of their
+        gains. Every row of a batch waits for a drafted token and its verified position, so the gains are per row
+        at the round's speed per row, as K is chosen (`ConfidentRounds._confident`): one sure row of eight no longer
+        drafts all eight on. A jump in the cost curve followed by flat positions is crossed where the tokens past it
+        pay for it (the real pair on code: 6 verified positions cost 33 ms more than 5, the next ones 1-13 ms each;
+        priced one token at a time, every speculation stopped at 5 tokens where assisted generation's confident
+        drafts ran 21)."""
+        if reach.numel() == 0:
+            return False
         horizon = max(len(self.extra) - drafted + 1, 1)  # up to the longest speculation `extra` covers
         gains = [self.gain_after(drafted + h) for h in range(horizon)]
         price = torch.tensor(gains, dtype=reach.dtype, device=reach.device).cumsum(0)
         powers = f[:, None] ** torch.arange(1, horizon + 1, dtype=f.dtype, device=f.device)  # [b, h]
-        tokens = reach[:, None] * powers.cumsum(-1)
-        return (tokens >= price).any(-1)
+        tokens = (reach[:, None] * powers.cumsum(-1)).mean(0)
+        return bool((tokens >= price).any())
 
     def gain_after(self, drafted: int) -> float:
         """The gain the next token must bring after `drafted` tokens (it would be verified as the (drafted + 1)-th)."""

@@ -1,7 +1,7 @@
 """The draft's own drafting just in time, one token per forward for the rows that need it: a serial round's
 speculation (drafted after the verification, when its outcome is known), the draft backup's on a cache miss, and
-feeding the committed tokens the draft cache lacks before either. Token by token it may stop early where no row
-expects its next token to pay (`StopRule`).
+feeding the committed tokens the draft cache lacks before either. Token by token it may stop early where the rows
+drafting do not expect their next token to pay, on average (`StopRule`).
 
 A mixin of `SaguaroCandidateGenerator`: it reads the generator's draft cache (`cache`), per-row state (`t_prev`,
 `glue_start`, `contexts`, `speculations`), sampling (`_sample`, `_saguaro_top`, `_top`) and timings."""
@@ -27,7 +27,7 @@ class JustInTimeDrafting:
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The draft model's own speculation of up to `length` tokens for the rows in `missed` [b] (bool): that many
         single-token forwards (one fewer when `first` [b, V] holds the logits after t_prev, already fed), fewer where
-        `stop` says no row expects its next token to pay (at least one token; see `StopRule`).
+        `stop` says the rows drafting do not expect their next token to pay (at least one token; see `StopRule`).
 
         The other rows ride along as invisible dummies (one forward serves the whole batch). The real rows' KV stays
         in the cache and their top tokens travel with the speculation, so the next glue forward only has to run
