@@ -23,6 +23,8 @@ forward over the whole output differs from them for a draft quantized with per-t
 dynamic quantization scales each forward's activations together: on the real pair's translation prompts it agreed
 with the target on 54 % of positions where its decoding agrees on 69 %).
 
+A profile's costs are exact unless `--noise SIGMA` scales every verification by a lognormal factor of mean 1 (a
+shared machine's timing noise, which the policy's cost tables then have to see through; `--seed` picks the stream).
 What it leaves out: cache misses are an expected backup cost (`--hit-rate`), not the fan-out's real lookups;
 costs do not grow with context; sampling is not modelled; after a rejected token a serial speculation's stop
 decisions read the confidences of the target's continuation, not the draft's own. It ranks policy changes;
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -146,13 +150,40 @@ def record(args) -> int:
     return 0
 
 
+class NoisyCurve(list):
+    """A profile's cost curve whose every read (one forward) is scaled by a lognormal factor of mean 1 and log
+    standard deviation `sigma` (`--noise`): the timing noise of a shared 2-core machine, ±15-25 % a forward, which
+    each method meets as it would. The policy's cost tables see it; a fixed schedule's choices do not."""
+
+    def __init__(self, values: list[float], sigma: float, rng: random.Random):
+        super().__init__(values)
+        self.sigma, self.rng = sigma, rng
+
+    def factor(self) -> float:
+        return math.exp(self.rng.gauss(0.0, self.sigma) - self.sigma ** 2 / 2)
+
+
+def noisy(profile: dict, sigma: float, seed: int = 0) -> dict:
+    """`profile` with its verification curves read through `NoisyCurve` (one random stream for both)."""
+    rng = random.Random(seed)
+    return {**profile, **{key: NoisyCurve(profile[key], sigma, rng) for key in ("verify", "verify_all")}}
+
+
+def _noiseless(profile: dict) -> dict:
+    """`profile` with plain curves: what the oracle's and the rules' searches price (a bound, a fit), not a run."""
+    return {**profile, **{key: list(profile[key]) for key in ("verify", "verify_all")}}
+
+
 def _at(curve: list[float], k: int) -> float:
-    """The profile's time at K = k; past its last point, on at the slope of its upper half."""
+    """The profile's time at K = k; past its last point, on at the slope of its upper half (times a `NoisyCurve`'s
+    factor, one draw a read)."""
     if k < len(curve):
-        return curve[k]
-    middle = len(curve) // 2
-    step = (curve[-1] - curve[middle]) / (len(curve) - 1 - middle) if len(curve) - 1 > middle else 0.0
-    return curve[-1] + max(step, 0.0) * (k - len(curve) + 1)
+        value = curve[k]
+    else:
+        middle = len(curve) // 2
+        step = (curve[-1] - curve[middle]) / (len(curve) - 1 - middle) if len(curve) - 1 > middle else 0.0
+        value = curve[-1] + max(step, 0.0) * (k - len(curve) + 1)
+    return value * curve.factor() if isinstance(curve, NoisyCurve) else value
 
 
 def _draft_predictions(draft, ids: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -206,7 +237,6 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
         verify, verify_all = profile["verify"], profile["verify_all"]
         t_token, t_token_all = profile["draft_token"] / 1e3, profile["draft_token_all"] / 1e3
         t_fixed_all = profile.get("draft_fixed_all", profile["draft_token_all"]) / 1e3
-        plain_s = (verify_all[0] + profile["overhead"]) / 1e3
         timings = DraftTimings()
         pos, spec_len, n = 0, k_max, len(agree)
         decode_tokens, decode_seconds, first = 0, 0.0, True
@@ -260,11 +290,12 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
             steps = policy.plain_stretch() if pos < n else 0
             for _ in range(min(steps, n - pos)):  # plain steps in a row, the draft paused
                 policy.plain_step()
-                clock.now += plain_s
-                policy.observe_round(verify_all[0] / 1e3, None, 0, 0)
+                step = _at(verify_all, 0) / 1e3
+                clock.now += step + profile["overhead"] / 1e3
+                policy.observe_round(step, None, 0, 0)
                 pos += 1
                 decode_tokens += 1
-                decode_seconds += plain_s
+                decode_seconds += step + profile["overhead"] / 1e3
             if steps:
                 spec_len = 0
         policy.metrics()
@@ -301,6 +332,7 @@ def replay_oracle(agree: list[int], profile: dict, deepest: int = 16) -> tuple[f
     from its end). No policy can beat it with serial rounds; how far above SD at its best fixed K it lies is the
     room adaptive depth has on this cost curve (the first round left out, as everywhere here)."""
     n = len(agree)
+    profile = _noiseless(profile)
     fixed = profile.get("draft_fixed_all", profile["draft_token_all"])
 
     def cost(depth: int) -> float:
@@ -371,7 +403,7 @@ def held_out_rules(runs: list[dict], profile: dict, max_new_tokens: int, deepest
     parity, so that each answer is replayed under a rule that never saw it (two folds)."""
     folds = {parity: [(r["agree"][:max_new_tokens], r["confidence"][:max_new_tokens]) for r in runs
                       if r["index"] % 2 != parity and r.get("confidence")] for parity in (0, 1)}
-    fitted = {parity: fit_rule(pairs, profile, deepest) for parity, pairs in folds.items() if pairs}
+    fitted = {parity: fit_rule(pairs, _noiseless(profile), deepest) for parity, pairs in folds.items() if pairs}
     return {i: fitted[r["index"] % 2] for i, r in enumerate(runs) if r.get("confidence") and r["index"] % 2 in fitted}
 
 
@@ -411,6 +443,8 @@ def replay(args) -> int:
                              f"{name}")
         setattr(module, name, type(getattr(module, name))(value))
     profile = PROFILES[args.profile]
+    if args.noise:
+        profile = noisy(profile, args.noise, args.seed)
     memory = lookahead_module.LookaheadMemory() if args.memory else None
     if memory is not None and args.warm_up and runs:
         warm_up(runs[0], profile, args.lookahead, args.hit_rate, not args.no_serial, memory, args.warm_up,
@@ -420,7 +454,7 @@ def replay(args) -> int:
         args.rule and not args.no_confidence) else {}
     for number, run in enumerate(runs):
         agree = run["agree"][: args.max_new_tokens]
-        plain = profile["verify_all"][0] / 1e3 + profile["overhead"] / 1e3
+        plain = PROFILES[args.profile]["verify_all"][0] / 1e3 + profile["overhead"] / 1e3  # AR: the curve's mean
         rows = by_set.setdefault(run["dataset"], {})
 
         def add(method: str, tokens: float, seconds: float, rows=rows) -> None:
@@ -503,6 +537,11 @@ def main(argv=None) -> int:
     rep.add_argument("--rule", action="store_true",
                      help="also replay the fastest fixed rule on the draft's confidence (`ConfidenceRule`), each "
                           "answer under the rule fitted on the answers of the other prompt-index parity")
+    rep.add_argument("--noise", type=float, default=0.0, metavar="SIGMA",
+                     help="scale every verification's time by a lognormal factor of mean 1 and this log standard "
+                          "deviation (0.15: a shared 2-core machine's ±15 %%); the oracle and the rules' fit stay "
+                          "noiseless")
+    rep.add_argument("--seed", type=int, default=0, help="with --noise: the noise's random seed")
     rep.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
     return record(args) if args.command == "record" else replay(args)

@@ -112,3 +112,23 @@ def test_the_confidence_rule_follows_the_drafts_confidence_and_is_fitted_on_the_
     assert sorted(rules) == [0, 1, 2, 3]  # a run recorded without confidences has no rule to replay
     assert rules[0] == rules[2] == replay_policy.fit_rule([(agree, confidence), (useless, unsure)], profile)
     assert rules[0].first > 0.05 and rules[0].sure <= 0.99  # plain steps on noise, deep on the sure runs
+
+
+def test_noise_scales_each_forward_around_the_profile_and_leaves_the_bounds_noiseless():
+    """`--noise`: every read of a verification curve is one forward, scaled by a lognormal factor of mean 1, drawn from
+    the seed's stream; the policy and the fixed schedules meet it, the oracle (a bound) does not."""
+    profile = replay_policy.PROFILES["epyc"]
+    shaky = replay_policy.noisy(profile, 0.15, seed=3)
+    reads = [replay_policy._at(shaky["verify_all"], 2) for _ in range(4000)]
+    assert len(set(reads)) == len(reads)  # one draw a read
+    assert abs(sum(reads) / len(reads) / profile["verify_all"][2] - 1.0) < 0.02  # mean 1
+    again = replay_policy.noisy(profile, 0.15, seed=3)
+    assert replay_policy._at(again["verify_all"], 2) == reads[0]  # the seed fixes the stream
+    assert replay_policy._at(profile["verify_all"], 2) == profile["verify_all"][2]  # a plain profile as ever
+    agree = replay_policy.agreement_runs([True, True, False] * 21)
+    assert replay_policy.replay_oracle(agree, shaky) == replay_policy.replay_oracle(agree, profile)
+    quiet, loud = replay_policy.replay_sd(agree, profile, 2), replay_policy.replay_sd(agree, shaky, 2)
+    assert quiet[0] == loud[0] and quiet[1] != loud[1]  # the same rounds, other times
+    tokens, seconds, _ = replay_policy.replay_ssd(agree, shaky, 4, 1.0, True)
+    assert tokens == replay_policy.replay_ssd(agree, profile, 4, 1.0, True)[0] == 63 - 3 and seconds > 0  # every
+    # token emitted; the first round (2 accepted and the bonus) left out
