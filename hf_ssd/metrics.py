@@ -91,7 +91,9 @@ class SSDMetrics:
     rounds are possible, `core_gain`: how many times faster a verification on every core was measured than one
     beside the working draft (what an untimed plain step is guessed from); for a single row with serial
     rounds possible, `confident_serial_tok_s`: their speed as deep as the draft's confidence makes worth it, what the
-    serial mode was weighed at against plain steps when it beat the average acceptance's serial speeds.
+    serial mode was weighed at against plain steps when it beat the average acceptance's serial speeds; the speeds
+    per K of the speculation in hand priced by its tokens' confidences in the way chosen (`confident_tok_s`), or, where
+    a sure hand was weighed and plain steps still won, priced as the serial round that lost (`sure_hand_tok_s`).
     `fanout_budget_per_round` is how many branches per row the draft prepared beside each verification
     (`fanout_budget_schedule="adaptive"` chooses it every round; 0 while paused); the decisions record it
     (`budget`) and, where it was decided, the predicted tokens per second of each budget considered

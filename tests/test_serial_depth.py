@@ -80,6 +80,8 @@ def test_a_sure_hand_is_verified_where_the_average_acceptance_says_plain_steps()
     for hand in (torch.full((3,), 0.05), None):
         k, mode, entry = decide(hand)
         assert k == 0 and mode == PLAIN, entry
+        # the declined hand's speeds are a serial round's, traced as such, not as this plain round's
+        assert "confident_tok_s" not in entry and ("sure_hand_tok_s" in entry) == (hand is not None), entry
 
 
 def test_a_batch_of_rows_stays_within_k_and_its_last_row_runs_deep():

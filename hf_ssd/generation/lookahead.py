@@ -386,8 +386,9 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
             entry["hit_rate"] = None if self.hit_rate.value is None else round(self.hit_rate.value, 3)
         if self._serial_speed is not None:
             entry["confident_serial_tok_s"] = round(self._serial_speed, 2)
-        if self._confident_speeds:
-            entry["confident_tok_s"] = {n: round(v, 2) for n, v in self._confident_speeds.items()}
+        if self._confident_speeds:  # the hand priced in the way chosen; a sure hand declined was priced serially
+            key = "sure_hand_tok_s" if self._mode == PLAIN else "confident_tok_s"
+            entry[key] = {n: round(v, 2) for n, v in self._confident_speeds.items()}
         if serial_speeds:
             table, serial = self.times(), self.serial_times()
             entry["serial_tok_s"] = {n: round(v, 2) for n, v in serial_speeds.items()}
