@@ -233,24 +233,23 @@ class StopRule:
         reach = reach * lookup[FIRST if drafted == 1 else LATER][bins]
         if drafted < self.at_least:
             return True, reach
-        return self._worth(reach[rows], lookup[NEXT][bins][rows], drafted), reach
+        return self._worth(reach, lookup[NEXT][bins], rows, drafted), reach
 
-    def _worth(self, reach: torch.Tensor, f: torch.Tensor, drafted: int) -> bool:
+    def _worth(self, reach: torch.Tensor, f: torch.Tensor, rows: torch.Tensor, drafted: int) -> bool:
         """Whether drafting some h >= 1 more tokens (up to the longest speculation `extra` covers) is expected to pay
-        for the rows drafting (`reach`, `f`: theirs), on average over them: mean(reach × Σ_{i<=h} f^i) >= Σ of their
-        gains. Every row of a batch waits for a drafted token and its verified position, so the gains are per row
-        at the round's speed per row, as K is chosen (`ConfidentRounds._confident`): one sure row of eight no longer
-        drafts all eight on. A jump in the cost curve followed by flat positions is crossed where the tokens past it
-        pay for it (the real pair on code: 6 verified positions cost 33 ms more than 5, the next ones 1-13 ms each;
-        priced one token at a time, every speculation stopped at 5 tokens where assisted generation's confident
-        drafts ran 21)."""
-        if reach.numel() == 0:
-            return False
+        for the rows drafting (`rows`, bool), on average over them: mean(reach × Σ_{i<=h} f^i) >= Σ of their gains
+        (a masked mean: no rows drafting, nothing pays; one read-back, the answer's). Every row of a batch waits for
+        a drafted token and its verified position, so the gains are per row at the round's speed per row, as K is
+        chosen (`ConfidentRounds._confident`): one sure row of eight no longer drafts all eight on. A jump in the cost
+        curve followed by flat positions is crossed where the tokens past it pay for it (the real pair on code: 6
+        verified positions cost 33 ms more than 5, the next ones 1-13 ms each; priced one token at a time, every
+        speculation stopped at 5 tokens where assisted generation's confident drafts ran 21)."""
         horizon = max(len(self.extra) - drafted + 1, 1)  # up to the longest speculation `extra` covers
         gains = [self.gain_after(drafted + h) for h in range(horizon)]
         price = torch.tensor(gains, dtype=reach.dtype, device=reach.device).cumsum(0)
         powers = f[:, None] ** torch.arange(1, horizon + 1, dtype=f.dtype, device=f.device)  # [b, h]
-        tokens = (reach[:, None] * powers.cumsum(-1)).mean(0)
+        weights = rows.to(reach.dtype)
+        tokens = (weights[:, None] * reach[:, None] * powers.cumsum(-1)).sum(0) / weights.sum().clamp(min=1.0)
         return bool((tokens >= price).any())
 
     def gain_after(self, drafted: int) -> float:
