@@ -252,9 +252,11 @@ def replay_ssd(agree: list[int], profile: dict, k_max: int, hit_rate: float, ser
             tokens = torch.tensor([1 if j < agree[pos] else 2 for j in range(spec_len)], dtype=torch.long)
             scores = torch.zeros(1, k + 1, 3)
             scores[0, k, 1] = 1.0  # the target's token at position k: 1, so the draft's s_{k+1} matches iff L > k
+            # (the recorded runs hold no runner-up: the replay prices none)
             row = SimpleNamespace(index=0, speculation=SimpleNamespace(tokens=tokens, probs=None,
-                                                                       confidence=held(spec_len)))
-            policy.observe_verification([row], SimpleNamespace(verified=k, accepted=[accepted], scores=scores))
+                                                                       confidence=held(spec_len), runner_up=None))
+            policy.observe_verification([row], SimpleNamespace(verified=k, accepted=[accepted], scores=scores,
+                                                               runner_up=None))
             idle = depth == 0
             beside = _at(verify, k) * (profile["contention"] if k == 0 else 1.0)  # the target beside the working draft
             forward = (_at(verify_all, k) if idle else beside) / 1e3

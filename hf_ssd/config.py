@@ -11,6 +11,7 @@ LOOKAHEAD_SCHEDULES = ("adaptive", "constant")
 FANOUT_BUDGET_SCHEDULES = ("adaptive", "constant")
 BACKUPS = ("auto", "draft", "ngram", "random")
 EXECUTORS = ("auto", "thread", "process", "sync", "stream")
+RUNNER_UPS = ("auto", "always", "never")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -69,6 +70,11 @@ class SSDConfig:
         power_law_prior: the hit-rate power-law exponent `r` used before statistics exist.
         adaptive: re-estimate `a` and `r` online from the run's own statistics.
         ngram_max: the longest n-gram the `"ngram"` backup matches.
+        runner_up: whether a round verifying one drafted token also verifies the draft's second choice for that
+            position beside it, in the same forward (greedy decoding, one row, a serial round: the draft sat the
+            verification out): `"auto"` where its measured chance of being the target's choice pays for the extra
+            position on the measured cost curve (free where verifying three positions costs what two do), `"always"`
+            in every such round (for ablations and tests), `"never"`.
         compile_draft: run the draft's steps (glue, tree, just-in-time backup) compiled over a fixed-capacity KV
             cache, so each step's shapes are static: with `torch.compile` (on a GPU in "reduce-overhead" mode, i.e.
             captured once into CUDA graphs and replayed without launch overhead). The first calls compile.
@@ -92,6 +98,7 @@ class SSDConfig:
     power_law_prior: float = 1.0
     adaptive: bool = True
     ngram_max: int = 3
+    runner_up: str = "auto"
     compile_draft: bool = False
     compile_backend: str = "inductor"
     _extra: dict = field(default_factory=dict, repr=False, compare=False)
@@ -150,6 +157,8 @@ class SSDConfig:
         if not isinstance(self.adaptive, bool):
             _fail("adaptive", self.adaptive, "expected a bool")
         _check_int("ngram_max", self.ngram_max, 1)
+        if self.runner_up not in RUNNER_UPS:
+            _fail("runner_up", self.runner_up, f"expected one of {RUNNER_UPS}")
         if not isinstance(self.compile_draft, bool):
             _fail("compile_draft", self.compile_draft, "expected a bool")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

@@ -98,6 +98,11 @@ class SSDMetrics:
     (`fanout_budget_schedule="adaptive"` chooses it every round; 0 while paused); the decisions record it
     (`budget`) and, where it was decided, the predicted tokens per second of each budget considered
     (`budget_tok_s`).
+
+    `runner_up_rounds` counts the rounds that verified the draft's runner-up for the first token beside it
+    (`SSDConfig.runner_up`; the decisions record its rate then, `runner_up`), `runner_up_accepted` those whose
+    runner-up was the target's choice (counted as an accepted draft token: the round emitted it and the bonus after
+    it).
     """
 
     rounds: int = 0
@@ -148,6 +153,8 @@ class SSDMetrics:
     lookahead_per_round: list[int] = field(default_factory=list)
     lookahead_decisions: list[dict[str, Any]] = field(default_factory=list)
     fanout_budget_per_round: list[int] = field(default_factory=list)
+    runner_up_rounds: int = 0
+    runner_up_accepted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -370,17 +370,18 @@ def test_the_policy_learns_its_calibration_from_verifications():
     from types import SimpleNamespace
 
     policy = _measured_policy(confidence=True)
-    spec = SimpleNamespace(tokens=torch.tensor([5, 6, 7]), probs=None, confidence=torch.tensor([0.99, 0.99, 0.5]))
+    spec = SimpleNamespace(tokens=torch.tensor([5, 6, 7]), probs=None, confidence=torch.tensor([0.99, 0.99, 0.5]),
+                           runner_up=None)
     scores = torch.zeros(1, 3, 8)
     scores[0, 2, 7] = 5.0  # the target would take s_3: a free sample one position beyond the two verified
     for _ in range(30):  # sure tokens rejected at the first position
         policy.observe_verification([SimpleNamespace(speculation=spec)],
-                                    SimpleNamespace(verified=2, accepted=[0], scores=scores))
+                                    SimpleNamespace(verified=2, accepted=[0], scores=scores, runner_up=None))
     # from 0.99 (the prior) to well below; pooled with the bins under it, still at their priors (non-decreasing fit)
     assert float(policy.calibration.acceptance(torch.tensor([0.99]))[0]) < 0.4
     for _ in range(30):
         policy.observe_verification([SimpleNamespace(speculation=spec)],
-                                    SimpleNamespace(verified=2, accepted=[2], scores=scores))
+                                    SimpleNamespace(verified=2, accepted=[2], scores=scores, runner_up=None))
     # the free samples at c = 0.5, three tokens in: the later tokens' table; the first token's has none
     assert float(policy.calibration.acceptance(torch.tensor([0.99, 0.99, 0.5]))[2]) > 0.6
     assert float(policy.calibration.acceptance(torch.tensor([0.5]))[0]) == pytest.approx(0.55)  # its prior
@@ -446,12 +447,13 @@ def test_a_calls_own_acceptance_shifts_the_pairs_calibration_for_it_alone():
     policy = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)
     before = policy.calibrated_tables()
     assert before[2][-1] == pytest.approx(pool_next, abs=0.05)  # unshifted before the call has samples
-    spec = SimpleNamespace(tokens=torch.tensor([5, 6, 7]), probs=None, confidence=torch.tensor([0.99, 0.99, 0.99]))
+    spec = SimpleNamespace(tokens=torch.tensor([5, 6, 7]), probs=None, confidence=torch.tensor([0.99, 0.99, 0.99]),
+                           runner_up=None)
     scores = torch.zeros(1, 3, 8)
     scores[0, 2, 7] = 5.0  # the free sample beyond the two verified: taken
     for _ in range(20):
         policy.observe_verification([SimpleNamespace(speculation=spec)],
-                                    SimpleNamespace(verified=2, accepted=[2], scores=scores))
+                                    SimpleNamespace(verified=2, accepted=[2], scores=scores, runner_up=None))
     after = policy.calibrated_tables()
     assert after[2][-1] > before[2][-1] + 0.2 and after[1][-1] > before[1][-1]
     fresh = LookaheadPolicy(3, True, 0.7, concurrent=True, memory=memory, draft_key=1, confidence=True)

@@ -288,11 +288,11 @@ def test_only_drafting_prepares_leave_the_callers_thread(pair, case, monkeypatch
     for name in seen:
         original = getattr(SaguaroCandidateGenerator, name)
 
-        def spy(self, *args, _name=name, _original=original):
+        def spy(self, *args, _name=name, _original=original, **kwargs):
             on_draft_thread = threading.current_thread().name.startswith("hf-ssd-draft")
             drafting = _name != "prepare" or args[1] != 0
             seen[_name].add((on_draft_thread, drafting, torch.get_num_threads()))
-            return _original(self, *args)
+            return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(SaguaroCandidateGenerator, name, spy)
     for draft in (target, random_draft):  # a draft that speculates, and one the policy pauses and probes with

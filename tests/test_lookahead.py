@@ -49,11 +49,11 @@ def _verdict(verified: int, accepted: int, target_next: int, vocab: int = 8):
     position `verified` is `target_next`."""
     scores = torch.zeros(1, verified + 1, vocab)
     scores[0, verified, target_next] = 5.0
-    return SimpleNamespace(verified=verified, accepted=[accepted], scores=scores)
+    return SimpleNamespace(verified=verified, accepted=[accepted], scores=scores, runner_up=None)
 
 
 def _row(length: int):
-    spec = SimpleNamespace(tokens=torch.arange(1, length + 1), probs=None, confidence=None)
+    spec = SimpleNamespace(tokens=torch.arange(1, length + 1), probs=None, confidence=None, runner_up=None)
     return SimpleNamespace(speculation=spec)
 
 

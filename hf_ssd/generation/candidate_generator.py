@@ -401,27 +401,32 @@ class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGen
 
     def resolve(
         self, outcomes: list[tuple[int, int]], verified: int, keep_rows: list[int] | None = None,
-        backup: str | None = None, serial: int = 0, stop: StopRule | None = None,
+        backup: str | None = None, serial: int = 0, stop: StopRule | None = None, runner_up: list[int] = (),
     ) -> list[Resolution]:
         """Commit every row's outcome (accepted, bonus) and return the next speculation of each row in
         `keep_rows` (default: all; finished rows leave the batch): its cache hit, or on a miss the backup's
         (`backup`, default `self.backup`). After a verification the draft sat out (a `prepare` of depth 0) there
         is nothing to look up: the next speculation is empty (a plain step follows) or, with `serial` > 0, that
         many tokens the draft drafts now, just in time, as SD would (`SERIAL`). Drafting just in time (a serial
-        speculation, the draft backup's) stops early where `stop` says (None: never; see `StopRule`).
+        speculation, the draft backup's) stops early where `stop` says (None: never; see `StopRule`). The rows in
+        `runner_up` accepted the draft's runner-up in place of their first drafted token (`Speculation.runner_up`):
+        only after a verification the draft sat out (`generation/runner_up.py`).
 
         The draft cache keeps, per row, the committed prefix plus the hit branch's tree slots; only the slots this
         round wrote move. Also feeds the fan-out estimator and snapshots the schedules for the next round; this
         runs strictly between two verifications, so every executor sees the same schedules.
         """
         with self.clock("resolve"):
-            return self._resolve(outcomes, verified, keep_rows, backup or self.backup, serial, stop)
+            return self._resolve(outcomes, verified, keep_rows, backup or self.backup, serial, stop, runner_up)
 
-    def _resolve(self, outcomes, verified, keep_rows, backup, serial=0, stop=None) -> list[Resolution]:
+    def _resolve(self, outcomes, verified, keep_rows, backup, serial=0, stop=None, runner_up=()) -> list[Resolution]:
         rows = self.rows
         keep_rows = list(range(rows)) if keep_rows is None else list(keep_rows)
         if self.depth == 0:
-            return self._resolve_paused(outcomes, verified, keep_rows, serial, stop)
+            return self._resolve_paused(outcomes, verified, keep_rows, serial, stop, runner_up)
+        if runner_up:
+            raise RuntimeError("a runner-up is verified only in rounds the draft sat out (its prepared outcomes "
+                               "follow the first drafted token)")
         accepted = torch.tensor([a for a, _ in outcomes], device=self.device)
         keep = self.cache.valid.clone()
         keep[:, self.main_len :] = False

@@ -205,8 +205,10 @@ class StopRule:
     there; the last one past the end, none when empty); the next token is drafted when some run of further tokens
     pays for itself as a whole (`_worth`: past a jump in the curve, the tokens beyond it share its price).
     `at_least`: the tokens drafted whatever the rule says (2: the second is the free sample of the next position's
-    acceptance, see `LookaheadPolicy.stop_rule`). Plain data: it crosses to a worker process as `to_list` /
-    `from_list`."""
+    acceptance, see `LookaheadPolicy.stop_rule`). `runner_up`, per bin of the first token's confidence: the tokens
+    its runner-up is expected to bring, net of its position's price, if drafting stops at that one token
+    (`runner_up.py`; empty: none would be verified): a second token must bring that much more. Plain data: it
+    crosses to a worker process as `to_list` / `from_list`."""
 
     table: tuple[float, ...]
     gain: float
@@ -214,6 +216,7 @@ class StopRule:
     at_least: int = 1
     extra: tuple[float, ...] = ()
     next: tuple[float, ...] | None = None
+    runner_up: tuple[float, ...] = ()
     _lookup: torch.Tensor = field(init=False, repr=False, compare=False)  # the three tables as tensors, built once
 
     def __post_init__(self) -> None:
@@ -231,11 +234,15 @@ class StopRule:
         lookup = self._lookup.to(confidence.device)
         bins = bin_of(confidence)
         reach = reach * lookup[FIRST if drafted == 1 else LATER][bins]
-        if drafted < self.at_least:
-            return True, reach
-        return self._worth(reach, lookup[NEXT][bins], rows, drafted), reach
+        forgone = None
+        if drafted == 1 and self.runner_up:  # stopping here would verify the runner-up beside it
+            forgone = torch.tensor(self.runner_up, dtype=reach.dtype, device=reach.device)[bins]
+        if drafted < self.at_least and forgone is None:  # (with a runner-up at stake the second token is weighed:
+            return True, reach  # where the first is sure enough to sample a_2 it pays, where it is not, r does)
+        return self._worth(reach, lookup[NEXT][bins], rows, drafted, forgone), reach
 
-    def _worth(self, reach: torch.Tensor, f: torch.Tensor, rows: torch.Tensor, drafted: int) -> bool:
+    def _worth(self, reach: torch.Tensor, f: torch.Tensor, rows: torch.Tensor, drafted: int,
+               forgone: torch.Tensor | None = None) -> bool:
         """Whether drafting some h >= 1 more tokens (up to the longest speculation `extra` covers) is expected to pay
         for the rows drafting (`rows`, bool), on average over them: mean(reach × Σ_{i<=h} f^i) >= Σ of their gains
         (a masked mean: no rows drafting, nothing pays; one read-back, the answer's). Every row of a batch waits for
@@ -243,13 +250,17 @@ class StopRule:
         chosen (`ConfidentRounds._confident`): one sure row of eight no longer drafts all eight on. A jump in the cost
         curve followed by flat positions is crossed where the tokens past it pay for it (the real pair on code: 6
         verified positions cost 33 ms more than 5, the next ones 1-13 ms each; priced one token at a time, every
-        speculation stopped at 5 tokens where assisted generation's confident drafts ran 21)."""
+        speculation stopped at 5 tokens where assisted generation's confident drafts ran 21). `forgone` [b]: what
+        stopping now would bring besides (a runner-up's worth), which further tokens must bring on top."""
         horizon = max(len(self.extra) - drafted + 1, 1)  # up to the longest speculation `extra` covers
         gains = [self.gain_after(drafted + h) for h in range(horizon)]
         price = torch.tensor(gains, dtype=reach.dtype, device=reach.device).cumsum(0)
         powers = f[:, None] ** torch.arange(1, horizon + 1, dtype=f.dtype, device=f.device)  # [b, h]
         weights = rows.to(reach.dtype)
-        tokens = (weights[:, None] * reach[:, None] * powers.cumsum(-1)).sum(0) / weights.sum().clamp(min=1.0)
+        gained = reach[:, None] * powers.cumsum(-1)
+        if forgone is not None:
+            gained = gained - forgone[:, None]
+        tokens = (weights[:, None] * gained).sum(0) / weights.sum().clamp(min=1.0)
         return bool((tokens >= price).any())
 
     def gain_after(self, drafted: int) -> float:
@@ -259,15 +270,17 @@ class StopRule:
         return self.gain + self.extra[min(drafted, len(self.extra)) - 1]
 
     def to_list(self) -> list[float]:
-        """[gain, at_least, len(extra), the first token's table, the later tokens', the next token's, extra]:
-        `list_size(len(extra))` numbers (a longer buffer's tail is ignored)."""
+        """[gain, at_least, len(extra), the first token's table, the later tokens', the next token's, the
+        runner-up's worth (zeros: none), extra]: `list_size(len(extra))` numbers (a longer buffer's tail is
+        ignored)."""
+        runner_up = self.runner_up or (0.0,) * (len(EDGES) + 1)
         return [self.gain, float(self.at_least), float(len(self.extra)), *self.table, *self.later, *self.next,
-                *self.extra]
+                *runner_up, *self.extra]
 
     @staticmethod
     def list_size(extra: int) -> int:
         """The length of `to_list` with `extra` per-position gains."""
-        return 3 + 3 * (len(EDGES) + 1) + extra
+        return 3 + 4 * (len(EDGES) + 1) + extra
 
     @classmethod
     def from_list(cls, values) -> StopRule | None:
@@ -276,8 +289,9 @@ class StopRule:
         if not values or values[0] <= 0:
             return None
         bins, extra = len(EDGES) + 1, int(values[2])
-        first, later, after = (tuple(values[3 + i * bins:3 + (i + 1) * bins]) for i in range(3))
-        return cls(first, values[0], later, int(values[1]), tuple(values[3 + 3 * bins:3 + 3 * bins + extra]), after)
+        first, later, after, runner_up = (tuple(values[3 + i * bins:3 + (i + 1) * bins]) for i in range(4))
+        return cls(first, values[0], later, int(values[1]), tuple(values[3 + 4 * bins:3 + 4 * bins + extra]), after,
+                   runner_up if any(runner_up) else ())
 
 
 def confident_speed(share: list[float], first: list[float], after: list[float], verify: list[float],

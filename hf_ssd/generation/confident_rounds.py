@@ -48,6 +48,8 @@ class ConfidentRounds:
             seconds = self._seconds_now(k, table, serial_table)
             if seconds is not None and seconds > 0:
                 speeds[k] = expected[k] / seconds
+                if k == 1:  # the first token with its runner-up beside it, where one would be verified
+                    speeds[k] = max(speeds[k], self._with_runner_up(expected[k], seconds))
         if not any(k > 0 for k in speeds):
             return best
         self._confident_speeds = speeds
@@ -187,7 +189,8 @@ class ConfidentRounds:
         if self.trace:
             self.trace[-1]["stop_tables"] = [[round(f, 3) for f in table] for table in (first, later, after)]
             self.trace[-1]["calibration_shift"] = round(self._calibration_shift, 3)
-        rule = StopRule(tuple(first), gain, tuple(later), 1, extra, tuple(after))
+        runner_up = self.runner_up_table() if self.serial else ()  # (a backup's is verified beside the draft)
+        rule = StopRule(tuple(first), gain, tuple(later), 1, extra, tuple(after), runner_up)
         acceptance = self.acceptance
         if len(acceptance.reached) > 1 and acceptance.estimates()[0] * acceptance.optimistic(1) >= rule.gain_after(1):
             rule = replace(rule, at_least=2)

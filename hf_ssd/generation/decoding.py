@@ -68,7 +68,8 @@ def ssd_decoding(
                                                  concurrent=kind != "sync"),
                              confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead,
                              every_core=_every_core(request) if shared_cores and kind != "sync" else 1.0,
-                             prefill_positions=input_ids.numel())
+                             prefill_positions=input_ids.numel(),
+                             runner_up="never" if do_sample else config.runner_up)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()
@@ -91,8 +92,11 @@ def ssd_decoding(
             # the target runs on every core when the draft sits the verification out (a plain step, a serial round)
             # or only probes one token beside a plain step
             idle = depth == 0 or (verified == 0 and depth == 1)
+            runner_up = policy.take_runner_up(verified, depth, target.runner_up_ready(batch),
+                                              batch.active[0].speculation.confidence)
             with recorder.verification():
-                verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores, idle)
+                verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores, idle,
+                                        runner_up)
             with phase("hand_off"):
                 drafter.announce(verdict.accepted, verdict.bonus)
             policy.observe_verification(batch.active, verdict)
@@ -102,6 +106,8 @@ def ssd_decoding(
             keep = batch.retire()
             with phase("realign"):
                 target.realign(verdict, emitted, keep)
+            if policy.runner_up_mode != "never" and not target.runner_up_possible():
+                policy.runner_up_mode = "never"  # this target's cache or attention cannot take a sibling
             recorder.record_memory(kv_bytes(target.cache))
             if not batch.active:
                 policy.observe_round(target.forward_seconds, drafter.timings(), 0, 0)
@@ -112,7 +118,8 @@ def ssd_decoding(
             serial, stop = policy.just_in_time(batch.room(generation_config.max_length, target.max_positions))
             with phase("wait_resolve"):
                 resolutions = drafter.resolve(verdict.accepted, verdict.bonus, verified, keep, backup, serial,
-                                              stop).result()
+                                              stop, [i for i, won in enumerate(verdict.runner_up or ()) if won]
+                                              ).result()
             for i, resolution in zip(keep, resolutions):
                 if resolution.looked_up:
                     recorder.record_lookup(resolution.hit, verdict.accepted[i])

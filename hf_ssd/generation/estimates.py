@@ -122,6 +122,7 @@ class LookaheadMemory:
         self.calibration: dict[int, object] = {}  # draft key -> its `ConfidenceCalibration` against this target
         self.probe_cost: dict[tuple, float] = {}  # (draft key, setting) -> a probe's cost in plain steps
         self.serial_step: dict[tuple, float] = {}  # (draft key, setting) -> seconds per further just-in-time token
+        self.runner_ups: dict[int, object] = {}  # draft key -> its `RunnerUpCalibration` against this target
 
     @classmethod
     def of(cls, model) -> LookaheadMemory:

@@ -49,6 +49,7 @@ from .modes import CONCURRENT, PLAIN, RESUME_MARGIN, SERIAL, SPECULATE_MARGIN, _
 from .observations import RoundObservations
 from .plain_steps import PlainSteps
 from .probing import Probing
+from .runner_up import RunnerUpCalibration, RunnerUpRounds
 
 EXPLORE_WITHIN = 0.9
 # An unmeasured plain step in a batch is tried once when its guessed speed comes within this of the best: the prior
@@ -67,14 +68,14 @@ def _timed(by_rows: dict[int, dict[int, DecayedMean]]) -> set[int]:
     return {k for table in by_rows.values() for k in table}
 
 
-class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts):
+class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts, RunnerUpRounds):
     """Chooses each round's K from the run's own estimates (see the module docstring); records why."""
 
     def __init__(self, lookahead: int, adaptive: bool, acceptance_prior: float, concurrent: bool,
                  cost_shape: tuple[float, ...] = CPU_SHAPE, memory: LookaheadMemory | None = None,
                  setting: tuple = (), draft_key: int | None = None, serial: bool = False,
                  fanout: FanoutBudget | None = None, confidence: bool = False, serial_lookahead: int = 0,
-                 every_core: float = 1.0, prefill_positions: int = 0):
+                 every_core: float = 1.0, prefill_positions: int = 0, runner_up: str = "auto"):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
         # how many times the cores of a step on every core (a plain step, a serial round) over the target's beside the
         # working draft: the most a step gains by the draft sitting out, for guessing an unmeasured one (b = 2 on
@@ -143,6 +144,13 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         # compute-bound and long, it is made on every core, the draft sitting it out (`_prefill_alone`)
         self.prefill_positions = prefill_positions
         self.first_seconds = 0.0  # what the draft's prefill and first speculations took (`began`)
+        # the draft's runner-up for a first token, verified beside it where that pays (`runner_up.py`): how often it
+        # is the target's choice, per target and draft across calls
+        self.runner_up_mode = runner_up
+        self.runner_ups = (memory.runner_ups.setdefault(draft_key, RunnerUpCalibration()) if known
+                           else RunnerUpCalibration())
+        self.runner_up_fed = False  # this round verifies one
+        self.runner_up_rounds = self.runner_up_wins = 0
 
     @property
     def verify(self) -> dict[int, DecayedMean]:
@@ -159,6 +167,7 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         """K for this round of `rows` active rows, at most `limit` (what max_length leaves), given the draft's
         confidence in each row's tokens (`Speculation.confidence`, when known); starts the round's clock."""
         self._round_start = time.perf_counter()
+        self.runner_up_fed = False
         self._active_rows = rows
         self._confidence = confidence
         self._exploring = False
@@ -409,5 +418,6 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         return {"lookahead_per_round": [entry["k"] for entry in self.trace],
                 "fanout_budget_per_round": [entry.get("budget", self.fanout.current) if entry.get("depth", 1) else 0
                                             for entry in self.trace],
-                "lookahead_decisions": self.trace}
+                "lookahead_decisions": self.trace,
+                "runner_up_rounds": self.runner_up_rounds, "runner_up_accepted": self.runner_up_wins}
 

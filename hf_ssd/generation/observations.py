@@ -39,8 +39,10 @@ class RoundObservations:
                 calibration.add_at(confidence, position, accepted)
 
         probs = None
+        self.observe_runner_up(rows, verdict)
         for i, row in enumerate(rows):
-            accepted = verdict.accepted[i]
+            # a runner-up that took s_1's place: s_1 itself was rejected
+            accepted = 0 if verdict.runner_up is not None and verdict.runner_up[i] else verdict.accepted[i]
             confidence = row.speculation.confidence
             confidence = None if self.calibration is None or confidence is None else confidence.tolist()
             for j in range(accepted):
@@ -74,6 +76,8 @@ class RoundObservations:
         """The round's target forward time, the draft's running `DraftTimings` (None: as at the last round, the draft
         sat it out), and the lookups it made."""
         k = self.trace[-1]["k"] if self.trace else self.k_max
+        if self.runner_up_fed:  # its forward covered three positions, as a round verifying two tokens does
+            k += 1
         wall = time.perf_counter() - self._round_start if self._round_start is not None else None
         first = self._rounds == 0
         self._rounds += 1

@@ -24,23 +24,29 @@ class PausedDrafting:
     # bookkeeping (`_resolve_paused_again`)
     _paused_at: tuple | None = None
 
-    def _resolve_paused(self, outcomes, verified: int, keep_rows, serial: int = 0, stop: StopRule | None = None
-                        ) -> list[Resolution]:
+    def _resolve_paused(self, outcomes, verified: int, keep_rows, serial: int = 0, stop: StopRule | None = None,
+                        runner_up=()) -> list[Resolution]:
         """After a verification the draft sat out: commit each row's accepted tokens and bonus. The cache keeps
         what it holds of the committed path (positions up to t_prev + accepted); the committed tokens it lacks
         wait, before the new t_prev, to be glued on resuming (`unglued`), or are fed now when rows lack different
         numbers of them (a batch after a serial round). With `serial` > 0 the draft then drafts that many tokens
-        per row just in time, feeding what the cache lacks, t_prev included, in its first forward."""
+        per row just in time, feeding what the cache lacks, t_prev included, in its first forward. A row in
+        `runner_up` accepted the runner-up in place of its first drafted token: the cache drops what it holds past
+        t_prev (drafted after s_1) and the runner-up is fed with the other committed tokens it lacks."""
         if (serial == 0 and verified == 0 and keep_rows == list(range(self.rows))
                 and self._paused_at == (self.cache, self.cache.version)):
             return self._resolve_paused_again(outcomes)
         started = time.perf_counter()
+        for r in runner_up:
+            self.speculations[r] = _with_runner_up(self.speculations[r])
         selected = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        held = [0 if r in runner_up else a for r, (a, _) in enumerate(outcomes)]  # none past t_prev after a runner-up
         accepted = torch.tensor([a for a, _ in outcomes], dtype=torch.long, device=self.device)
-        keep = self.cache.valid & (self.cache.positions <= (self.glue_start + accepted)[:, None])
+        keep = self.cache.valid & (self.cache.positions <= (self.glue_start + torch.tensor(held, device=self.device)
+                                                            )[:, None])
         with self.clock("compact"):
             self.cache.keep(keep, None if len(keep_rows) == self.rows else selected, max_holes=self.lookahead)
-        for r, (acc, _) in enumerate(outcomes):
+        for r, acc in enumerate(held):
             if verified:  # a serial speculation's acceptance feeds the fan-out's estimate as a backup's does
                 self.estimator.record_round(lookup_kind(self.speculations[r].source), acc, verified)
         self._commit(outcomes, accepted, keep_rows, selected)
@@ -65,7 +71,8 @@ class PausedDrafting:
             self.timings.serial_steps += tokens.shape[1] - 1
             self.timings.serial_step_seconds += time.perf_counter() - fed
         self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i],
-                                         confidence=None if confidence is None else confidence[i])
+                                         confidence=None if confidence is None else confidence[i],
+                                         runner_up=None if probs is not None else _runner_up(tokens[i], tops[i]))
                              for i in range(len(keep_rows))]
         self.timings.serial_calls += 1
         self.timings.serial_tokens += tokens.shape[1]
@@ -73,12 +80,13 @@ class PausedDrafting:
         return [Resolution(spec, hit=False, looked_up=False) for spec in self.speculations]
 
     def sat_out(self, rounds: list[tuple]) -> list[Resolution]:
-        """Commit rounds the draft sat out, each (outcomes as (accepted, bonus) per row, verified, keep_rows): the
+        """Commit rounds the draft sat out, each (outcomes as (accepted, bonus) per row, verified, keep_rows[, the
+        rows that took the runner-up]): the
         same calls, state and random streams as a `prepare` of depth 0 and a `resolve` per round, one by one."""
         resolutions: list[Resolution] = []
-        for outcomes, verified, keep_rows in rounds:
+        for outcomes, verified, keep_rows, *runner_up in rounds:
             self.prepare(verified, 0)
-            resolutions = self.resolve(outcomes, verified, keep_rows)
+            resolutions = self.resolve(outcomes, verified, keep_rows, runner_up=runner_up[0] if runner_up else ())
         return resolutions
 
     def _resolve_paused_again(self, outcomes) -> list[Resolution]:
@@ -103,3 +111,19 @@ class PausedDrafting:
         resolutions = plain_resolutions(rows, self.device)
         self.speculations = [resolution.speculation for resolution in resolutions]
         return resolutions
+
+
+def _with_runner_up(speculation: Speculation) -> Speculation:
+    """`speculation` as the row accepted it: the runner-up in place of its drafted tokens (the top tokens after
+    t_prev, which the next glue would reuse, belong to a speculation that starts there: none are kept)."""
+    token = torch.tensor([speculation.runner_up], dtype=speculation.tokens.dtype, device=speculation.tokens.device)
+    return Speculation(token, None, speculation.source)
+
+
+def _runner_up(tokens: torch.Tensor, tops: torch.Tensor) -> int | None:
+    """The draft's best token for the first position other than the one it drafted there (greedy: its second
+    choice), from the top tokens after t_prev; None when it has none."""
+    for token in tops[0].tolist():
+        if token != int(tokens[0]):
+            return token
+    return None

@@ -39,6 +39,9 @@ class Verdict:
     scores: torch.Tensor  # [b, verified + 1, V] after the logits processors
     accepted: list[int]
     bonus: list[int]
+    # per row: whether the draft's runner-up took the place of its first token (`runner_up.py`; then `tokens` holds
+    # the runner-up and `accepted` counts it); None when no runner-up was verified
+    runner_up: list[bool] | None = None
     _new_tokens: torch.Tensor | None = field(default=None, repr=False)
 
     def new_tokens(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ from ..compat import (
     prepare_token_type_ids,
 )
 from .rows import Batch, Row, Verdict
+from .runner_up import NEITHER, RUNNER_UP_WON, drop_position, sibling_inputs, sibling_winner
 from .verification import accept
 
 ROW_INPUTS = ("attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")  # [b, T]: follow the tokens
@@ -58,13 +59,45 @@ class TargetBatch:
     def cache(self):
         return self.kwargs.get(self.cache_key)
 
+    def runner_up_ready(self, batch: Batch) -> bool:
+        """Whether this round could verify the runner-up of its one row's first drafted token beside it
+        (`runner_up.py`): one row whose speculation carries one, and `runner_up_possible`."""
+        if len(batch.active) != 1:
+            return False
+        speculation = batch.active[0].speculation
+        if speculation is None or speculation.runner_up is None or speculation.tokens.shape[0] == 0:
+            return False
+        return self.runner_up_possible() and (
+            speculation.runner_up < self.model.get_input_embeddings().num_embeddings)
+
+    def runner_up_possible(self) -> bool:
+        """Whether this target's rounds can verify a sibling at all: after the prefill, every cache layer a full
+        dynamic one (a sliding window's keeps fewer positions than the sibling mask spans; a static or compiled
+        cache has no room for a sibling), attention that takes a 4D mask (sdpa, eager), and no per-token input but
+        the mask and the positions."""
+        if self.first or self._compiled is not None:
+            return False
+        cache = self.cache
+        if not isinstance(cache, DynamicCache) or not cache.layers or any(type(layer) is not DynamicLayer
+                                                                            for layer in cache.layers):
+            return False
+        if getattr(self.model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+            return False
+        return not any(self.kwargs.get(key) is not None for key in ROW_INPUTS
+                       if key not in ("attention_mask", "position_ids"))
+
     def verify(self, batch: Batch, verified: int, generator: torch.Generator | None, phases,
-               cores=contextlib.nullcontext, draft_idle: bool = False) -> Verdict:
+               cores=contextlib.nullcontext, draft_idle: bool = False, runner_up: bool = False) -> Verdict:
         """Score every active row's speculation (its first `verified` tokens) in one forward and accept exactly.
 
         `generator` is None under greedy decoding; `cores` is entered around the forward when the draft leaves the
         machine to the target: the first forward (the prefill) and every round the draft is paused (`draft_idle`:
-        a plain step then runs on every core, as plain decoding would)."""
+        a plain step then runs on every core, as plain decoding would). `runner_up`: verify the one row's first
+        drafted token and its runner-up as siblings (`runner_up_ready` must hold, `verified` be 1, decoding greedy)."""
+        if runner_up:
+            if verified != 1 or generator is not None or not self.runner_up_ready(batch):
+                raise RuntimeError("a runner-up is verified beside one drafted token of one row, greedily")
+            return self._verify_siblings(batch, phases, cores if draft_idle else contextlib.nullcontext)
         device = self.ids.device
         if verified:
             tokens = _arrive(torch.stack([row.speculation.tokens[:verified] for row in batch.active]), device)
@@ -87,6 +120,46 @@ class TargetBatch:
             accepted, bonus = accept(tokens, scores, q, generator)
             both = torch.stack([accepted, bonus]).tolist()  # the round's one host synchronisation
         return Verdict(verified, tokens, raw, scores, [int(a) for a in both[0]], [int(b) for b in both[1]])
+
+    def _verify_siblings(self, batch: Batch, phases, cores) -> Verdict:
+        """One forward over [t, s_1, r] (`runner_up.sibling_inputs`), then the verdict of the sibling the target's
+        choice took, as if that sibling had been the speculation: the cache keeps its KV slot only, so `realign`
+        commits it as a one-token round. Greedy: the target's choice after t, then its choice after the sibling."""
+        row = batch.active[0]
+        first, second = int(row.speculation.tokens[0]), row.speculation.runner_up
+        cache, mask = self.cache, self.kwargs.get("attention_mask")
+        cached = cache.get_seq_length()
+        visible = (torch.ones(cached, dtype=torch.bool, device=self.ids.device) if mask is None
+                   else mask[0, :cached].bool())
+        positions = self.kwargs.get("position_ids")  # t's, as generate() numbers it; else past the visible ones
+        position = int(positions[0, self.ids.shape[1] - 1]) if positions is not None else int(visible.sum())
+        ids, positions, attention = sibling_inputs(int(self.ids[0, -1]), first, second, position, visible,
+                                                   self.model.dtype)
+        start = time.perf_counter()
+        with phases("target_forward"), cores():
+            outputs = self.model(input_ids=ids, position_ids=positions, attention_mask=attention,
+                                 use_cache=True, **{self.cache_key: cache})
+        self.forward_seconds = time.perf_counter() - start
+        raw = outputs.logits[:, -3:].to(dtype=torch.float32, device=self.ids.device)
+        with phases("processors"):
+            chain = torch.tensor([[first]], device=self.ids.device)
+            scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, :2])
+            winner = sibling_winner(int(scores[0, 0].argmax()), first, second)
+            if winner == RUNNER_UP_WON:
+                chain = torch.tensor([[second]], device=self.ids.device)
+                scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, [0, 2]])
+        with phases("verify"):
+            if winner == RUNNER_UP_WON:
+                drop_position(cache, cached + 1)  # s_1's slot: the runner-up's moves into it
+                raw = raw[:, [0, 2]]
+            else:
+                cache.crop(-1)  # the runner-up's slot, the last
+                raw = raw[:, :2]
+            accepted = 0 if winner == NEITHER else 1
+            bonus = int(scores[0, accepted].argmax())
+        self._outputs = outputs
+        self._extended = extend_row_inputs(copy.copy(self.kwargs), self.ids.shape[1] + 1)
+        return Verdict(1, chain, raw, scores, [accepted], [bonus], runner_up=[winner == RUNNER_UP_WON])
 
     def _forward(self, tokens: torch.Tensor):
         """One target forward over the new tokens [bonus, s_1..s_L] of every row ([b, L]).

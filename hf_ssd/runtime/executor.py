@@ -75,17 +75,18 @@ class DraftExecutor(ABC):
 
     @abstractmethod
     def resolve(self, accepted: list[int], bonus: list[int], verified: int, keep_rows: list[int], backup: str,
-                serial: int = 0, stop=None):
+                serial: int = 0, stop=None, runner_up: list[int] = ()):
         """Commit the outcomes; pending `list[Resolution]` for the rows in `keep_rows` (positions in the batch).
         After a verification the draft sat out (`prepare` of depth 0), `serial` > 0 drafts up to that many tokens
         now, on every core (the target waits for them). Drafting just in time stops early where `stop` (a
-        `StopRule`; None: never) says."""
+        `StopRule`; None: never) says. `runner_up`: the rows (positions in the batch) whose first drafted token the
+        target replaced by the draft's runner-up (`Speculation.runner_up`): their accepted tokens start with it."""
 
     @abstractmethod
     def sat_out(self, rounds: list[tuple]):
         """Commit rounds the draft sat out after a paused round (a plain stretch), each (outcomes as (accepted,
-        bonus) per row, verified, keep_rows); pending `list[Resolution]` (empty speculations) for the rows the last
-        keeps. The same as a `prepare` at depth 0 and a `resolve` per round, in one call."""
+        bonus) per row, verified, keep_rows[, runner_up rows]); pending `list[Resolution]` (empty speculations) for
+        the rows the last keeps. The same as a `prepare` at depth 0 and a `resolve` per round, in one call."""
 
     @abstractmethod
     def timings(self):

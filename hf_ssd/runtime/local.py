@@ -141,8 +141,9 @@ class LocalExecutor(DraftExecutor):
     def announce(self, accepted, bonus) -> None:
         self.drafter.announce(list(zip(accepted, bonus)))
 
-    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial: int = 0, stop=None) -> Future:
-        args = (list(zip(accepted, bonus)), verified, keep_rows, backup, serial, stop)
+    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial: int = 0, stop=None, runner_up=()
+                ) -> Future:
+        args = (list(zip(accepted, bonus)), verified, keep_rows, backup, serial, stop, list(runner_up))
         request = self.request
         if serial and self.kind != "sync":  # the target waits for this speculation: every core drafts it, or the
             # draft's own threads where that is faster (`ThreadChoice`)

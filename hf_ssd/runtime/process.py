@@ -91,12 +91,13 @@ class ProcessExecutor(DraftExecutor):
         buffers = self.buffers
         meta = buffers.meta[slot, :count].tolist()
         out = []
-        for i, (source, hit, length) in enumerate(meta):
+        for i, (source, hit, length, runner_up) in enumerate(meta):
             probs = None if buffers.probs is None else buffers.probs[slot, i, :length]
             confidence = buffers.confidence[slot, i, :length]
             known = length > 0 and not bool(confidence[0].isnan())
             speculation = Speculation(buffers.tokens[slot, i, :length], probs, wire.source_name(source),
-                                      confidence=confidence if known else None)
+                                      confidence=confidence if known else None,
+                                      runner_up=runner_up if runner_up >= 0 else None)
             out.append(Resolution(speculation, bool(hit), looked_up=speculation.source not in NOT_LOOKED_UP))
         return out
 
@@ -138,12 +139,14 @@ class ProcessExecutor(DraftExecutor):
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
         self.worker.control[wire.ANNOUNCED] = wire.announcement(self.generation, self.round)
 
-    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial=0, stop=None):
+    def resolve(self, accepted, bonus, verified, keep_rows, backup, serial=0, stop=None, runner_up=()):
         """As `DraftExecutor.resolve`; after a plain step the draft sat out (a prepare of depth 0, nothing drafted
         just in time) the result is known — an empty speculation per kept row — and nothing is sent: the round
         waits with the others the draft sat out until the draft next has work (`_flush`)."""
         if self._depth == 0 and serial == 0:
-            self._sat_out.append((list(zip(accepted, bonus)), verified, list(keep_rows)))
+            # (the rows that took a runner-up, where any did: `DraftExecutor.sat_out`)
+            taken = [list(runner_up)] if runner_up else []
+            self._sat_out.append((list(zip(accepted, bonus)), verified, list(keep_rows), *taken))
             return _Known(plain_resolutions(len(keep_rows), self.draft_device))
         if self._depth == 0:  # a serial round: the worker drafts now, after the verification it sat out
             self._flush()
@@ -151,6 +154,9 @@ class ProcessExecutor(DraftExecutor):
         n = len(accepted)
         self.buffers.outcomes[:n, 0] = torch.tensor(accepted)
         self.buffers.outcomes[:n, 1] = torch.tensor(bonus)
+        self.buffers.outcomes[:n, 2] = 0
+        if runner_up:
+            self.buffers.outcomes[list(runner_up), 2] = 1
         self.buffers.keep[: len(keep_rows)] = torch.tensor(keep_rows, dtype=torch.long)
         self.slot ^= 1
         slot, count = self.slot, len(keep_rows)

@@ -47,11 +47,12 @@ def shared_control() -> torch.Tensor:
 class RoundBuffers:
     """One generation's shared buffers, for at most `rows` rows.
 
-    `outcomes` [rows, 2] (accepted, bonus) and `keep` [rows] (batch positions staying) go to the worker; the
-    speculations come back double-buffered by round parity, so the ones being verified stay intact while the next
-    ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V] (sampling only), `confidence` [2, rows, K]
-    (the draft's, see `Speculation`; NaN: unknown), `meta` [2, rows, 3] (source code, hit, length: a speculation may
-    be shorter than K). `stop_rule` holds the `StopRule` of the next RESOLVE (`StopRule.to_list`; gain 0: none).
+    `outcomes` [rows, 3] (accepted, bonus, 1 where the runner-up replaced the first token) and `keep` [rows] (batch
+    positions staying) go to the worker; the speculations come back double-buffered by round parity, so the ones
+    being verified stay intact while the next ones are written: `tokens` [2, rows, K], `probs` [2, rows, K, V]
+    (sampling only), `confidence` [2, rows, K] (the draft's, see `Speculation`; NaN: unknown), `meta` [2, rows, 4]
+    (source code, hit, length: a speculation may be shorter than K; the runner-up, -1: none). `stop_rule` holds
+    the `StopRule` of the next RESOLVE (`StopRule.to_list`; gain 0: none).
     `stats` holds the drafter's running `DraftTimings` and busy seconds (`STATS`).
     """
 
@@ -76,11 +77,11 @@ class RoundBuffers:
             return tensor.share_memory_() if tensor.device.type == "cpu" else tensor  # CUDA: sent by IPC handle
 
         return cls(
-            outcomes=host(rows, 2), keep=host(rows),
+            outcomes=host(rows, 3), keep=host(rows),
             tokens=on_device(2, rows, lookahead, dtype=torch.long),
             probs=None if vocab_size is None else on_device(2, rows, lookahead, vocab_size, dtype=torch.float32),
             confidence=host(2, rows, lookahead, dtype=torch.float32),
-            meta=host(2, rows, 3), stats=host(STATS, dtype=torch.float64),
+            meta=host(2, rows, 4), stats=host(STATS, dtype=torch.float64),
             stop_rule=host(StopRule.list_size(lookahead), dtype=torch.float64),  # a gain per position
         )
 

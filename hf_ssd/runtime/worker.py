@@ -122,7 +122,7 @@ class _Server:
             session = self.session
             if session is None or int(control[wire.ANNOUNCED]) != wire.announcement(generation, session.round):
                 return None
-            return [tuple(row) for row in buffers.outcomes[: session.drafter.rows].tolist()]
+            return [tuple(row) for row in buffers.outcomes[: session.drafter.rows, :2].tolist()]
 
         drafter = SaguaroCandidateGenerator(
             draft, SSDConfig.coerce(request.config), request.do_sample, request.warpers, request.vocab_size,
@@ -148,12 +148,14 @@ class _Server:
 
     def resolve(self, session: _Session, verified: int, backup: str, kept: int, serial: int = 0) -> None:
         buffers, drafter = session.buffers, session.drafter
-        outcomes = [tuple(row) for row in buffers.outcomes[: drafter.rows].tolist()]
+        rows = buffers.outcomes[: drafter.rows].tolist()
+        outcomes = [(accepted, bonus) for accepted, bonus, _ in rows]
+        runner_up = [r for r, (_, _, replaced) in enumerate(rows) if replaced]
         keep_rows = buffers.keep[:kept].tolist()
         stop = StopRule.from_list(buffers.stop_rule.tolist())
 
         def job():
-            return drafter.resolve(outcomes, verified, keep_rows, backup, serial, stop)
+            return drafter.resolve(outcomes, verified, keep_rows, backup, serial, stop, runner_up)
 
         if serial:  # the target waits for this speculation: drafted on every core or on its own, whichever is faster
             choice = drafting_threads(drafter.model, (session.threads, session.draft_threads))
@@ -172,7 +174,8 @@ class _Server:
                 buffers.probs[slot, i, :length] = spec.probs
             if length:  # NaN: unknown (a fast backup's tokens, or not tracked)
                 buffers.confidence[slot, i, :length] = float("nan") if spec.confidence is None else spec.confidence
-            buffers.meta[slot, i] = torch.tensor([wire.source_code(spec.source), int(hit), length])
+            runner_up = -1 if spec.runner_up is None else spec.runner_up
+            buffers.meta[slot, i] = torch.tensor([wire.source_code(spec.source), int(hit), length, runner_up])
 
     def _publish(self, session: _Session) -> None:
         t = session.drafter.timings
