@@ -120,23 +120,23 @@ def test_the_policy_verifies_a_runner_up_where_its_rate_pays_for_the_position():
     policy = _serial_policy(serial_lookahead=10)
     policy.choose(1, confidence=[torch.tensor([0.3])])
     hand = torch.tensor([0.3])
-    assert not policy.take_runner_up(1, 0, True, hand)  # never seen to win: not priced
+    assert not policy.take_runner_up(1, 0, lambda: True, hand)  # never seen to win: not priced
     for _ in range(10):
         policy.runner_ups.add(0.3, True)
     assert policy.runner_up_step() == pytest.approx(0.002)  # the curve's step from 2 positions to 3
-    assert policy.take_runner_up(1, 0, True, hand) and policy.trace[-1]["runner_up"] > 0.5
+    assert policy.take_runner_up(1, 0, lambda: True, hand) and policy.trace[-1]["runner_up"] > 0.5
     assert policy.runner_up_table()[2] > 0.5 and policy.runner_up_rounds == 1
-    assert not policy.take_runner_up(2, 0, True, hand)  # only beside one verified token
-    assert not policy.take_runner_up(1, 3, True, hand)  # not where the draft prepares beside the verification
-    assert not policy.take_runner_up(1, 0, False, hand)  # not where the target cannot take it
+    assert not policy.take_runner_up(2, 0, lambda: True, hand)  # only beside one verified token
+    assert not policy.take_runner_up(1, 3, lambda: True, hand)  # not where the draft prepares beside the verification
+    assert not policy.take_runner_up(1, 0, lambda: False, hand)  # not where the target cannot take it
     policy.runner_up_mode = "never"
-    assert not policy.take_runner_up(1, 0, True, hand) and policy.runner_up_table() == ()
+    assert not policy.take_runner_up(1, 0, lambda: True, hand) and policy.runner_up_table() == ()
     for _ in range(60):
         policy.runner_ups.add(0.3, False)
     policy.runner_up_mode = "auto"
-    assert not policy.take_runner_up(1, 0, True, hand)  # a runner-up that stopped winning
+    assert not policy.take_runner_up(1, 0, lambda: True, hand)  # a runner-up that stopped winning
     policy.runner_up_mode = "always"
-    assert policy.take_runner_up(1, 0, True, hand)
+    assert policy.take_runner_up(1, 0, lambda: True, hand)
 
 
 def test_config_checks_runner_up():

@@ -92,7 +92,7 @@ def ssd_decoding(
             # the target runs on every core when the draft sits the verification out (a plain step, a serial round)
             # or only probes one token beside a plain step
             idle = depth == 0 or (verified == 0 and depth == 1)
-            runner_up = policy.take_runner_up(verified, depth, target.runner_up_ready(batch),
+            runner_up = policy.take_runner_up(verified, depth, lambda: target.runner_up_ready(batch),
                                               batch.active[0].speculation.confidence)
             with recorder.verification():
                 verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores, idle,

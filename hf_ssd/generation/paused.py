@@ -70,9 +70,10 @@ class PausedDrafting:
         if first is not None and tokens.shape[1] > 1:  # the steps: one forward per token after the first
             self.timings.serial_steps += tokens.shape[1] - 1
             self.timings.serial_step_seconds += time.perf_counter() - fed
+        one_greedy_row = probs is None and len(keep_rows) == 1  # where a runner-up may be verified
         self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i],
                                          confidence=None if confidence is None else confidence[i],
-                                         runner_up=None if probs is not None else _runner_up(tokens[i], tops[i]))
+                                         runner_up=_runner_up(tokens[i], tops[i]) if one_greedy_row else None)
                              for i in range(len(keep_rows))]
         self.timings.serial_calls += 1
         self.timings.serial_tokens += tokens.shape[1]

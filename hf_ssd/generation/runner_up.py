@@ -135,12 +135,13 @@ class RunnerUpRounds:
             return 0.0
         return (expected + self.runner_ups.rate(float(hand[0][0]))) / (seconds + step)
 
-    def take_runner_up(self, verified: int, depth: int, ready: bool, confidence: torch.Tensor | None) -> bool:
+    def take_runner_up(self, verified: int, depth: int, ready, confidence: torch.Tensor | None) -> bool:
         """Whether this round verifies the runner-up of its one drafted token beside it: a round verifying one token
         of a speculation drafted just in time, the draft sitting it out (its prepared outcomes would follow s_1),
-        the target `ready` (greedy, one row, a cache and attention that take a sibling: `TargetBatch.
-        runner_up_ready`), and — under "auto" — the runner-up's rate at s_1's confidence worth the position."""
-        if self.runner_up_mode == "never" or not ready or verified != 1 or depth != 0:
+        the target `ready` (a callable, asked last: greedy, one row, a cache and attention that take a sibling,
+        `TargetBatch.runner_up_ready`), and — under "auto" — the runner-up's rate at s_1's confidence worth the
+        position."""
+        if self.runner_up_mode == "never" or verified != 1 or depth != 0 or not ready():
             return False
         if self.runner_up_mode == "always":
             take = True
