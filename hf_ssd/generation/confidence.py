@@ -218,6 +218,7 @@ class StopRule:
     next: tuple[float, ...] | None = None
     runner_up: tuple[float, ...] = ()
     _lookup: torch.Tensor = field(init=False, repr=False, compare=False)  # the three tables as tensors, built once
+    _runner_up: torch.Tensor | None = field(init=False, repr=False, compare=False)  # `runner_up` as a tensor
 
     def __post_init__(self) -> None:
         if self.later is None:
@@ -225,6 +226,8 @@ class StopRule:
         if self.next is None:
             object.__setattr__(self, "next", self.later)
         object.__setattr__(self, "_lookup", torch.tensor([self.table, self.later, self.next], dtype=torch.float32))
+        object.__setattr__(self, "_runner_up", torch.tensor(self.runner_up, dtype=torch.float32) if self.runner_up
+                           else None)
 
     def keeps_going(self, reach: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor, drafted: int
                     ) -> tuple[bool, torch.Tensor]:
@@ -235,10 +238,12 @@ class StopRule:
         bins = bin_of(confidence)
         reach = reach * lookup[FIRST if drafted == 1 else LATER][bins]
         forgone = None
-        if drafted == 1 and self.runner_up:  # stopping here would verify the runner-up beside it
-            forgone = torch.tensor(self.runner_up, dtype=reach.dtype, device=reach.device)[bins]
-        if drafted < self.at_least and forgone is None:  # (with a runner-up at stake the second token is weighed:
-            return True, reach  # where the first is sure enough to sample a_2 it pays, where it is not, r does)
+        if drafted == 1 and self._runner_up is not None:  # stopping here would verify the runner-up beside it
+            forgone = self._runner_up.to(device=reach.device, dtype=reach.dtype)[bins]
+        # A second token drafted to sample a_2 is weighed like any other where a runner-up is at stake: where the
+        # first token is sure enough for a_2 to matter it pays, where it is not the runner-up does.
+        if drafted < self.at_least and forgone is None:
+            return True, reach
         return self._worth(reach, lookup[NEXT][bins], rows, drafted, forgone), reach
 
     def _worth(self, reach: torch.Tensor, f: torch.Tensor, rows: torch.Tensor, drafted: int,
