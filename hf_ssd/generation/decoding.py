@@ -94,6 +94,7 @@ def ssd_decoding(
             idle = depth == 0 or (verified == 0 and depth == 1)
             runner_up = policy.take_runner_up(verified, depth, lambda: target.runner_up_ready(batch),
                                               batch.active[0].speculation.confidence)
+            prefill = target.first
             with recorder.verification():
                 verdict = target.verify(batch, verified, target_generator, phase, drafter.target_cores, idle,
                                         runner_up)
@@ -106,7 +107,7 @@ def ssd_decoding(
             keep = batch.retire()
             with phase("realign"):
                 target.realign(verdict, emitted, keep)
-            if policy.runner_up_mode != "never" and not target.runner_up_possible():
+            if prefill and not target.runner_up_possible():  # known once the cache exists; rows leaving keep it
                 policy.runner_up_mode = "never"  # this target's cache or attention cannot take a sibling
             recorder.record_memory(kv_bytes(target.cache))
             if not batch.active:

@@ -149,8 +149,7 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         self.runner_up_mode = runner_up
         self.runner_ups = (memory.runner_ups.setdefault(draft_key, RunnerUpCalibration()) if known
                            else RunnerUpCalibration())
-        self.runner_up_fed = False  # this round verifies one
-        self.runner_up_rounds = self.runner_up_wins = 0
+        self.runner_up_wins = 0
 
     @property
     def verify(self) -> dict[int, DecayedMean]:
@@ -167,7 +166,6 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         """K for this round of `rows` active rows, at most `limit` (what max_length leaves), given the draft's
         confidence in each row's tokens (`Speculation.confidence`, when known); starts the round's clock."""
         self._round_start = time.perf_counter()
-        self.runner_up_fed = False
         self._active_rows = rows
         self._confidence = confidence
         self._exploring = False

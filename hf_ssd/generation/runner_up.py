@@ -20,9 +20,11 @@ is measured before the first sibling is ever verified.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
-from .confidence import EDGES, bin_of
+from .confidence import EDGES
 from .modes import SERIAL
 
 FIRST_WON, RUNNER_UP_WON, NEITHER = 0, 1, -1
@@ -76,7 +78,7 @@ class RunnerUpCalibration:
         """One verified first token of `confidence` whose runner-up was (`won`) or was not the target's choice."""
         self.chances = [c * DECAY for c in self.chances]
         self.wins = [w * DECAY for w in self.wins]
-        b = int(bin_of(torch.tensor(confidence)))
+        b = bisect.bisect_right(EDGES, confidence)  # `confidence.bin_of`'s bins, for one float
         self.chances[b] += 1.0
         self.wins[b] += float(won)
 
@@ -89,14 +91,29 @@ class RunnerUpCalibration:
 
     def rate(self, confidence: float) -> float:
         """The runner-up's rate at one first token's `confidence`."""
-        return self.table()[int(bin_of(torch.tensor(confidence)))]
+        return self.table()[bisect.bisect_right(EDGES, confidence)]
 
 
 class RunnerUpRounds:
     """The lookahead policy's side of runner-ups: whether this round verifies one, what it is worth to the stop rule,
     and the rate learnt from every verified first token. A mixin of `LookaheadPolicy`: it reads the policy's cost
     tables (`times`, `serial_times`, `serial_verify_seconds`), speed (`_rate`), trace and mode, and keeps
-    `runner_ups` (a `RunnerUpCalibration`, per target and draft across calls) and `runner_up_mode`."""
+    `runner_ups` (a `RunnerUpCalibration`, per target and draft across calls), `runner_up_mode` and the count of
+    runner-ups that won (`runner_up_wins`); a round that verifies one says so in its trace entry (`runner_up`)."""
+
+    @property
+    def runner_up_fed(self) -> bool:
+        """Whether this round verifies a runner-up."""
+        return bool(self.trace) and "runner_up" in self.trace[-1]
+
+    @property
+    def runner_up_rounds(self) -> int:
+        """The rounds of this call that verified a runner-up."""
+        return sum("runner_up" in entry for entry in self.trace)
+
+    def _runner_up_single(self) -> bool:
+        """Whether a runner-up could be verified at all this round: not "never", one active row."""
+        return self.runner_up_mode != "never" and self._active_rows == 1
 
     def runner_up_step(self) -> float | None:
         """Seconds a runner-up adds to a serial round verifying one token: the cost curve's step from two verified
@@ -105,30 +122,27 @@ class RunnerUpRounds:
         one, two = self.serial_verify_seconds(1, table, serial), self.serial_verify_seconds(2, table, serial)
         return None if one is None or two is None else max(two - one, 0.0)
 
-    def runner_up_worth(self, confidence: float) -> float:
-        """The tokens a runner-up is expected to bring beside a first token of `confidence`, net of what its
-        position costs at the round's speed (0 where it does not pay, or where none would be verified)."""
-        if self.runner_up_mode == "never" or self._active_rows != 1:
-            return 0.0
-        step = self.runner_up_step()
-        if step is None or not self._rate:
-            return 0.0
-        return max(self.runner_ups.rate(confidence) - self._rate * step, 0.0)
-
     def runner_up_table(self) -> tuple[float, ...]:
-        """`runner_up_worth` per confidence bin (the stop rule's), empty where none would be verified."""
-        if self.runner_up_mode == "never" or self._active_rows != 1:
+        """Per confidence bin of the first token: the tokens a runner-up is expected to bring beside it, net of what
+        its position costs at the round's speed (the stop rule's; 0 where it does not pay); empty where none would
+        be verified or none pays."""
+        step = self.runner_up_step() if self._runner_up_single() and self._rate else None
+        if step is None:
             return ()
-        bounds = (0.0, *EDGES, 1.0)
-        worth = tuple(self.runner_up_worth((lo + hi) / 2) for lo, hi in zip(bounds[:-1], bounds[1:]))
+        price = self._rate * step
+        worth = tuple(max(rate - price, 0.0) for rate in self.runner_ups.table())
         return worth if any(worth) else ()
+
+    def runner_up_worth(self, confidence: float) -> float:
+        """`runner_up_table` at one first token's `confidence` (0 where none would be verified)."""
+        table = self.runner_up_table()
+        return table[bisect.bisect_right(EDGES, confidence)] if table else 0.0
 
     def _with_runner_up(self, expected: float, seconds: float) -> float:
         """Tokens per second of a serial round verifying its one row's first token with the runner-up beside it,
         given the round's `expected` tokens and `seconds` without it (0 where none would be verified)."""
         hand = self._confidence
-        if (self.runner_up_mode == "never" or self._active_rows != 1 or self._mode != SERIAL or not hand
-                or hand[0] is None or hand[0].shape[0] == 0):
+        if not self._runner_up_single() or self._mode != SERIAL or not hand or hand[0] is None or not len(hand[0]):
             return 0.0
         step = self.runner_up_step()
         if step is None:
@@ -147,12 +161,9 @@ class RunnerUpRounds:
             take = True
         else:
             take = confidence is not None and self.runner_up_worth(float(confidence[0])) > 0.0
-        if take:
-            self.runner_up_fed = True
-            self.runner_up_rounds += 1
-            if self.trace:
-                self.trace[-1]["runner_up"] = round(self.runner_ups.rate(float(confidence[0])), 3) if (
-                    confidence is not None) else True
+        if take and self.trace:  # (the record of the round: `runner_up_fed`, `runner_up_rounds`)
+            self.trace[-1]["runner_up"] = round(self.runner_ups.rate(float(confidence[0])), 3) if (
+                confidence is not None) else True
         return take
 
     def observe_runner_up(self, rows, verdict) -> None:

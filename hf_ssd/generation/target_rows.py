@@ -93,9 +93,9 @@ class TargetBatch:
         `generator` is None under greedy decoding; `cores` is entered around the forward when the draft leaves the
         machine to the target: the first forward (the prefill) and every round the draft is paused (`draft_idle`:
         a plain step then runs on every core, as plain decoding would). `runner_up`: verify the one row's first
-        drafted token and its runner-up as siblings (`runner_up_ready` must hold, `verified` be 1, decoding greedy)."""
+        drafted token and its runner-up as siblings (the caller asked `runner_up_ready`; `verified` 1, greedy)."""
         if runner_up:
-            if verified != 1 or generator is not None or not self.runner_up_ready(batch):
+            if verified != 1 or generator is not None or len(batch.active) != 1:
                 raise RuntimeError("a runner-up is verified beside one drafted token of one row, greedily")
             return self._verify_siblings(batch, phases, cores if draft_idle else contextlib.nullcontext)
         device = self.ids.device
@@ -144,19 +144,23 @@ class TargetBatch:
         with phases("processors"):
             chain = torch.tensor([[first]], device=self.ids.device)
             scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, :2])
-            winner = sibling_winner(int(scores[0, 0].argmax()), first, second)
-            if winner == RUNNER_UP_WON:
+        with phases("verify"):
+            predicted = scores[0].argmax(dim=-1).tolist()  # the choice after t and after s_1: one read-back
+            winner = sibling_winner(predicted[0], first, second)
+        if winner == RUNNER_UP_WON:  # the bonus follows r: its position's scores, with r in the prefix
+            with phases("processors"):
                 chain = torch.tensor([[second]], device=self.ids.device)
                 scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, [0, 2]])
         with phases("verify"):
             if winner == RUNNER_UP_WON:
+                predicted = scores[0].argmax(dim=-1).tolist()
                 drop_position(cache, cached + 1)  # s_1's slot: the runner-up's moves into it
                 raw = raw[:, [0, 2]]
             else:
                 cache.crop(-1)  # the runner-up's slot, the last
                 raw = raw[:, :2]
             accepted = 0 if winner == NEITHER else 1
-            bonus = int(scores[0, accepted].argmax())
+            bonus = predicted[accepted]
         self._outputs = outputs
         self._extended = extend_row_inputs(copy.copy(self.kwargs), self.ids.shape[1] + 1)
         return Verdict(1, chain, raw, scores, [accepted], [bonus], runner_up=[winner == RUNNER_UP_WON])
