@@ -1378,6 +1378,36 @@ def test_a_call_after_a_useless_draft_starts_with_plain_steps(clock):
     assert policy("good").first_depth() == 4 and policy("unseen").first_depth() == 4
 
 
+def test_a_call_starts_plain_on_evidence_not_on_a_short_calls_luck(clock):
+    """The remembered acceptance a call weighs starting plain at is raised by Hoeffding's width over the positions
+    verified behind it in all earlier calls (`optimistic_start`): a short call that verified a few positions and
+    rejected them (a bench's warm-up) leaves the next call starting with a speculation; the same acceptance behind
+    many verified positions starts it plain. The positions add up over calls."""
+    memory = estimates_module.LookaheadMemory()
+
+    def policy():
+        return LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, memory=memory,
+                               draft_key=7, setting=(True, 1))
+
+    for k in range(5):  # this target's costs as earlier calls timed them: a plain step 10 ms, K tokens 10 + 5K
+        memory.verify.setdefault((True, 1, 1), {})[k] = (10.0 + 5.0 * k) / 1e3
+        memory.samples.setdefault((True, 1, 1), {})[k] = estimates_module.REMEMBER_AFTER
+
+    short = policy()
+    for _ in range(3):  # three one-token rejections: acceptance far below the prior, three positions behind it
+        short.acceptance.add(0, 0.0)
+    short.metrics()
+    assert memory.acceptance[7] < 0.5 and memory.acceptance_reached[7] == 3
+    assert plain_steps_module.optimistic_start([memory.acceptance[7]], 3)[0] > memory.acceptance[7] + 0.4
+    assert policy().first_depth() == 4  # three samples say too little
+    long = policy()
+    for _ in range(60):
+        long.acceptance.add(0, 0.0)
+    long.metrics()
+    assert memory.acceptance_reached[7] == 63
+    assert policy().first_depth() == 0  # sixty more say it
+
+
 def test_end_to_end_a_useless_draft_is_left_paused_from_the_start():
     """Real timings: after a few calls with a useless draft, a call starts with a plain step and the draft paused,
     and its output is still plain decoding's."""

@@ -119,6 +119,7 @@ class LookaheadMemory:
         self.verify: dict[tuple, dict[int, float]] = {}
         self.samples: dict[tuple, dict[int, int]] = {}  # timings behind each remembered time
         self.acceptance: dict[int, float] = {}  # draft key -> its pooled acceptance against this target
+        self.acceptance_reached: dict[int, float] = {}  # draft key -> positions verified behind it, over all calls
         self.calibration: dict[int, object] = {}  # draft key -> its `ConfidenceCalibration` against this target
         self.probe_cost: dict[tuple, float] = {}  # (draft key, setting) -> a probe's cost in plain steps
         self.serial_step: dict[tuple, float] = {}  # (draft key, setting) -> seconds per further just-in-time token

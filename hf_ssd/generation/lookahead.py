@@ -409,6 +409,8 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
     def metrics(self) -> dict:
         if self.memory is not None and self.draft_key is not None and self.acceptance.pooled_reached > 0:
             self.memory.acceptance[self.draft_key] = self.acceptance.pooled()
+            reached = self.memory.acceptance_reached
+            reached[self.draft_key] = reached.get(self.draft_key, 0.0) + self.acceptance.pooled_reached
         if self.memory is not None and self.plain_round.value and self.probe_round.value is not None:
             self.memory.probe_cost[(self.draft_key, self.setting)] = self._probe_cost()
         if self.memory is not None and self.serial_step() is not None:
