@@ -71,10 +71,11 @@ class SSDConfig:
         adaptive: re-estimate `a` and `r` online from the run's own statistics.
         ngram_max: the longest n-gram the `"ngram"` backup matches.
         runner_up: whether a round verifying one drafted token also verifies the draft's second choice for that
-            position beside it, in the same forward (greedy decoding, one row, a serial round: the draft sat the
-            verification out): `"auto"` where its measured chance of being the target's choice pays for the extra
-            position on the measured cost curve (free where verifying three positions costs what two do), `"always"`
-            in every such round (for ablations and tests), `"never"`.
+            position beside it, in the same forward (one row, a serial round: the draft sat the verification out;
+            under sampling the two are weighed by recursive rejection, exactly): `"auto"` where its measured chance
+            of being the target's choice pays for the extra position on the measured cost curve (free where
+            verifying three positions costs what two do), `"always"` in every such round (for ablations and tests),
+            `"never"`.
         compile_draft: run the draft's steps (glue, tree, just-in-time backup) compiled over a fixed-capacity KV
             cache, so each step's shapes are static: with `torch.compile` (on a GPU in "reduce-overhead" mode, i.e.
             captured once into CUDA graphs and replayed without launch overhead). The first calls compile.

@@ -1,19 +1,33 @@
 """The draft's runner-up verified beside its first drafted token (`SSDConfig.runner_up`, `generation/runner_up.py`):
 the sibling forward's logits and cache, which sibling wins, the learnt rate, the stop rule's and the policy's use of
 it, and losslessness through runner-up rounds (greedy, across executors and architectures, with scores, processors and
-padding); never under sampling, in a batch of rows or on caches that cannot hold a sibling."""
+padding; sampling: the two-candidate rejection's law, alone and end to end, with negative controls); never in a batch
+of rows or on caches that cannot hold a sibling."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model, truncated_copy
 from test_greedy_equivalence import _other_arch
 from test_lookahead import _script
+from test_sampling_law import (
+    ALPHA,
+    E2E_VOCAB,
+    REJECT,
+    TEMPERATURE,
+    WARPED,
+    chisquare_pvalue,
+    exact_law,
+    law_pvalues,
+    ssd_samples,
+)
 from test_serial_depth import _serial_policy
 from transformers import DynamicCache
 
 from hf_ssd import SSDConfig, enable_ssd
+from hf_ssd.generation import target_rows, verification
 from hf_ssd.generation.confidence import EDGES, StopRule
 from hf_ssd.generation.runner_up import (
     FIRST_WON,
@@ -203,16 +217,15 @@ def test_scores_processors_and_padding_through_runner_up_rounds(monkeypatch):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["sampling", "batch", "static cache", "never"])
+@pytest.mark.parametrize("case", ["batch", "static cache", "never"])
 def test_no_runner_up_where_it_does_not_apply(monkeypatch, case):
-    """Sampling (its law would need multi-draft rejection sampling), a batch of rows (each would keep a different
-    sibling slot: only its last row, once the others are done, takes one), a static cache (no room for a sibling) and
-    runner_up="never" take none; greedy outputs stay identical."""
+    """A batch of rows (each would keep a different sibling slot: only its last row, once the others are done, takes
+    one), a static cache (no room for a sibling) and runner_up="never" take none; greedy outputs stay identical."""
     _script(monkeypatch, RUNNER_UP_SCRIPT)
     target, draft, _ = _models("llama")
     rows = 2 if case == "batch" else 1
     ids = torch.randint(0, 96, (rows, 11), generator=torch.Generator().manual_seed(6))
-    kwargs = dict(max_new_tokens=30, do_sample=case == "sampling", pad_token_id=0)
+    kwargs = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
     if case == "static cache":
         kwargs["cache_implementation"] = "static"
     mode = "never" if case == "never" else "always"
@@ -224,5 +237,107 @@ def test_no_runner_up_where_it_does_not_apply(monkeypatch, case):
         assert set(taken) <= {1} and metrics.batch_rounds < metrics.rounds
     else:
         assert metrics.runner_up_rounds == 0
-    if case != "sampling":
-        assert torch.equal(out, target.generate(ids, **kwargs))
+    assert torch.equal(out, target.generate(ids, **kwargs))
+
+
+# --- sampling ------------------------------------------------------------------------------------------------------
+
+LAW_V = 6
+
+
+def _two_candidate_counts(seed: int, samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(counts [V, V + 1] of (the token after t, the bonus after it or V where none is drawn), the law of those) for
+    s_1 ~ q and the runner-up the likeliest other token of q, through `sibling_sampling_verify`."""
+    generator = torch.Generator().manual_seed(seed)
+    draw = torch.Generator().manual_seed(seed + 1)
+    q = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+    p = torch.tensor([[0.10, 0.05, 0.30, 0.25, 0.20, 0.10],  # after t
+                      [0.50, 0.10, 0.10, 0.10, 0.10, 0.10],  # after any first candidate
+                      [0.05, 0.05, 0.05, 0.05, 0.20, 0.60]])  # after any runner-up
+    order = q.argsort(descending=True).tolist()
+    counts = np.zeros((LAW_V, LAW_V + 1), dtype=np.int64)
+    for _ in range(samples):
+        first = int(torch.multinomial(q, 1, generator=draw))
+        runner_up = next(t for t in order if t != first)
+        winner, token = verification.sibling_sampling_verify(first, runner_up, q, p, generator)
+        if winner == NEITHER:  # the token after t, no bonus
+            counts[token, LAW_V] += 1
+        else:  # the candidate taken, the bonus after it
+            counts[first if winner == FIRST_WON else runner_up, token] += 1
+    return counts, p.numpy()
+
+
+def test_two_candidate_rejection_draws_the_targets_law():
+    """`sibling_sampling_verify`: the token after t follows p_0 whichever candidate the draft drew and whichever
+    runner-up it named; a bonus after the first candidate follows p_1, after the runner-up p_2."""
+    counts, p = _two_candidate_counts(seed=5, samples=40000)
+    assert chisquare_pvalue(p[0], counts.sum(axis=1)) >= ALPHA
+    # q's likeliest token 0 is drawn as s_1 or named the runner-up (then s_1 is drawn elsewhere): its bonus is a
+    # mixture; any other token taken as a candidate was s_1, or the runner-up 1 where s_1 was 0
+    for token in range(2, LAW_V):
+        bonuses = counts[token, :LAW_V]
+        assert bonuses.sum() > 200 and chisquare_pvalue(p[1], bonuses) >= ALPHA, token
+    assert counts[:, :LAW_V].sum() < counts.sum()  # some draws took neither candidate
+
+
+def test_negative_control_two_candidate_rejection_against_p_instead_of_the_residual(monkeypatch):
+    """Power check: weighing the runner-up against p_0 instead of the residual after s_1's rejection (the classic
+    error of resampling from p) is rejected."""
+    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
+    counts, p = _two_candidate_counts(seed=6, samples=40000)
+    assert chisquare_pvalue(p[0], counts.sum(axis=1)) < REJECT
+
+
+@pytest.fixture(scope="module")
+def law_models():
+    """The sampling-law pair of test_sampling_law: a peaked 1-layer target and an unrelated draft."""
+    target = enable_ssd(tiny_model(layers=1, vocab_size=E2E_VOCAB, hidden=16, seed=0, initializer_range=0.3))
+    draft = tiny_model(layers=1, vocab_size=E2E_VOCAB, hidden=16, seed=7, initializer_range=0.3)
+    return {"target": target, "self": target, "random": draft}
+
+
+# Sampling, 4 new tokens: a plain step drafting one token just in time, then serial rounds verifying one token with
+# its runner-up beside it (after a one-token and a two-token speculation).
+LAW_RUNNER_UP_SCRIPT = [(0, 0, 1), (1, 0, 1), (1, 0, 2), (1, 0, 1)]
+
+
+@pytest.mark.parametrize("executor, sampling", [
+    pytest.param("sync", TEMPERATURE, id="sync"),
+    pytest.param("process", WARPED, id="process-warped"),
+])
+def test_sampling_law_through_runner_up_rounds(monkeypatch, law_models, executor, sampling):
+    """The unrelated draft (a self-draft's s_1 is always accepted: its q is p): its runner-up wins some rounds."""
+    _script(monkeypatch, LAW_RUNNER_UP_SCRIPT)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor=executor, runner_up="always")
+    rounds = []
+    original = target_rows.TargetBatch._sample_siblings
+
+    def counted(self, *args, **kwargs):
+        verdict = original(self, *args, **kwargs)
+        rounds.append(verdict.runner_up[0])
+        return verdict
+
+    monkeypatch.setattr(target_rows.TargetBatch, "_sample_siblings", counted)
+    counts, _, _ = ssd_samples(target, law_models["random"], config, sampling, seed=97)
+    pvalues = law_pvalues(exact_law(target, sampling), counts)
+    print(f"p-values {pvalues}, runner-up rounds {len(rounds)}, won {sum(rounds)}")
+    assert len(rounds) > 300 and 0 < sum(rounds) < len(rounds)
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+def test_negative_control_runner_up_always_taken_when_the_first_is_rejected(monkeypatch, law_models):
+    """Power check: a sibling verification that takes the runner-up whenever s_1 is rejected is rejected."""
+    _script(monkeypatch, LAW_RUNNER_UP_SCRIPT)
+
+    def biased(first, runner_up, q, p, generator=None):
+        winner, token = verification.sibling_sampling_verify(first, runner_up, q, p, generator)
+        if winner == NEITHER:
+            return RUNNER_UP_WON, int(torch.multinomial(p[2].float(), 1, generator=generator))
+        return winner, token
+
+    monkeypatch.setattr(target_rows, "sibling_sampling_verify", biased)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor="sync", runner_up="always")
+    counts, _, _ = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=96)
+    assert min(law_pvalues(exact_law(target, TEMPERATURE), counts).values()) < REJECT

@@ -37,8 +37,8 @@ class Speculation:
     `slots` [K], for a cached branch, are the draft-cache slots (in every row) where the tree wrote that KV.
     `confidence` [K], when set, is the draft's probability of each of its tokens (its top probability under greedy
     decoding, q(s_j) when sampling): what the lookahead policy conditions its acceptance estimates on.
-    `runner_up`, when set (a serial speculation under greedy decoding), is the draft's second choice for the first
-    token: what a round verifying s_1 alone may verify beside it (`generation/runner_up.py`).
+    `runner_up`, when set (a serial speculation of one row), is the draft's likeliest token for the first position
+    other than s_1: what a round verifying s_1 alone may verify beside it (`generation/runner_up.py`).
     """
 
     tokens: torch.Tensor  # [K] long

@@ -69,7 +69,7 @@ def ssd_decoding(
                              confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead,
                              every_core=_every_core(request) if shared_cores and kind != "sync" else 1.0,
                              prefill_positions=input_ids.numel(),
-                             runner_up="never" if do_sample else config.runner_up)
+                             runner_up=config.runner_up)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()

@@ -70,10 +70,10 @@ class PausedDrafting:
         if first is not None and tokens.shape[1] > 1:  # the steps: one forward per token after the first
             self.timings.serial_steps += tokens.shape[1] - 1
             self.timings.serial_step_seconds += time.perf_counter() - fed
-        one_greedy_row = probs is None and len(keep_rows) == 1  # where a runner-up may be verified
+        one_row = len(keep_rows) == 1  # where a runner-up may be verified
         self.speculations = [Speculation(tokens[i], None if probs is None else probs[i], SERIAL, row_top=tops[i],
                                          confidence=None if confidence is None else confidence[i],
-                                         runner_up=_runner_up(tokens[i], tops[i]) if one_greedy_row else None)
+                                         runner_up=_runner_up(tokens[i], tops[i]) if one_row else None)
                              for i in range(len(keep_rows))]
         self.timings.serial_calls += 1
         self.timings.serial_tokens += tokens.shape[1]
@@ -123,7 +123,8 @@ def _with_runner_up(speculation: Speculation) -> Speculation:
 
 def _runner_up(tokens: torch.Tensor, tops: torch.Tensor) -> int | None:
     """The draft's best token for the first position other than the one it drafted there (greedy: its second
-    choice), from the top tokens after t_prev; None when it has none."""
+    choice; sampling: its likeliest token but the one drawn), from the top tokens after t_prev; None when it has
+    none."""
     for token in tops[0].tolist():
         if token != int(tokens[0]):
             return token

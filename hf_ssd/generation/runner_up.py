@@ -1,4 +1,4 @@
-"""The draft's runner-up for a speculation's first token, verified beside it in the same forward (greedy, one row).
+"""The draft's runner-up for a speculation's first token, verified beside it in the same forward (one row).
 
 Where verifying one more position costs next to nothing (MKL's fp32 kernels on a 2-core Xeon: 1 to 3 positions take
 one price, 4 to 6 twice it), a serial round that verifies one drafted token s_1 has a spare position. It goes to the
@@ -9,9 +9,10 @@ rejected s_1 gives one. Where the draft hesitates between two tokens (a word's i
 often the target's choice (measured on the real pair, 18 answers teacher-forced: the first choice matched the target
 at 69 % of the positions, the second at 11 %, i.e. at 36 % of those the first missed; per answer 18-100 %).
 
-Greedy only: the emitted tokens are the target's argmax at every position, as plain decoding's, whichever sibling
-won. (Sampling would need multi-draft rejection sampling, whose law this module does not claim.) One row only: a
-batch's rows would keep different sibling slots in their caches.
+Greedy: the emitted tokens are the target's argmax at every position, as plain decoding's, whichever sibling won.
+Sampling: r is the draft's likeliest token but the s_1 it drew, weighed after s_1 by recursive rejection against
+the residual (`verification.sibling_sampling_verify`), so the token after t follows the target's law. One row only:
+a batch's rows would keep different sibling slots in their caches.
 
 How often the runner-up wins is learnt per confidence bin of s_1 (`RunnerUpCalibration`) from every verified first
 token: the target's choice after t is known whenever s_1 is verified, whether a runner-up was fed or not, so the rate
@@ -152,7 +153,7 @@ class RunnerUpRounds:
     def take_runner_up(self, verified: int, depth: int, ready, confidence: torch.Tensor | None) -> bool:
         """Whether this round verifies the runner-up of its one drafted token beside it: a round verifying one token
         of a speculation drafted just in time, the draft sitting it out (its prepared outcomes would follow s_1),
-        the target `ready` (a callable, asked last: greedy, one row, a cache and attention that take a sibling,
+        the target `ready` (a callable, asked last: one row, a cache and attention that take a sibling,
         `TargetBatch.runner_up_ready`), and — under "auto" — the runner-up's rate at s_1's confidence worth the
         position."""
         if self.runner_up_mode == "never" or verified != 1 or depth != 0 or not ready():
@@ -168,7 +169,8 @@ class RunnerUpRounds:
 
     def observe_runner_up(self, rows, verdict) -> None:
         """One sample per row whose first drafted token was verified and which carried a runner-up: whether the
-        runner-up was the target's choice after t (it won; or s_1 was rejected for it)."""
+        runner-up was the target's choice after t (it won; or s_1 was rejected for it). Under sampling, "s_1 was
+        rejected and the residual's draw was r" has the probability with which r beside s_1 would have won."""
         if verdict.verified == 0:
             return
         for i, row in enumerate(rows):

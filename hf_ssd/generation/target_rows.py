@@ -23,7 +23,7 @@ from ..compat import (
 )
 from .rows import Batch, Row, Verdict
 from .runner_up import NEITHER, RUNNER_UP_WON, drop_position, sibling_inputs, sibling_winner
-from .verification import accept
+from .verification import accept, sibling_sampling_verify
 
 ROW_INPUTS = ("attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")  # [b, T]: follow the tokens
 
@@ -93,11 +93,11 @@ class TargetBatch:
         `generator` is None under greedy decoding; `cores` is entered around the forward when the draft leaves the
         machine to the target: the first forward (the prefill) and every round the draft is paused (`draft_idle`:
         a plain step then runs on every core, as plain decoding would). `runner_up`: verify the one row's first
-        drafted token and its runner-up as siblings (the caller asked `runner_up_ready`; `verified` 1, greedy)."""
+        drafted token and its runner-up as siblings (the caller asked `runner_up_ready`; `verified` 1)."""
         if runner_up:
-            if verified != 1 or generator is not None or len(batch.active) != 1:
-                raise RuntimeError("a runner-up is verified beside one drafted token of one row, greedily")
-            return self._verify_siblings(batch, phases, cores if draft_idle else contextlib.nullcontext)
+            if verified != 1 or len(batch.active) != 1:
+                raise RuntimeError("a runner-up is verified beside one drafted token of one row")
+            return self._verify_siblings(batch, phases, cores if draft_idle else contextlib.nullcontext, generator)
         device = self.ids.device
         if verified:
             tokens = _arrive(torch.stack([row.speculation.tokens[:verified] for row in batch.active]), device)
@@ -121,10 +121,11 @@ class TargetBatch:
             both = torch.stack([accepted, bonus]).tolist()  # the round's one host synchronisation
         return Verdict(verified, tokens, raw, scores, [int(a) for a in both[0]], [int(b) for b in both[1]])
 
-    def _verify_siblings(self, batch: Batch, phases, cores) -> Verdict:
+    def _verify_siblings(self, batch: Batch, phases, cores, generator: torch.Generator | None = None) -> Verdict:
         """One forward over [t, s_1, r] (`runner_up.sibling_inputs`), then the verdict of the sibling the target's
         choice took, as if that sibling had been the speculation: the cache keeps its KV slot only, so `realign`
-        commits it as a one-token round. Greedy: the target's choice after t, then its choice after the sibling."""
+        commits it as a one-token round. Greedy: the target's choice after t, then its choice after the sibling;
+        sampling: `verification.sibling_sampling_verify` against the draft's q for s_1."""
         row = batch.active[0]
         first, second = int(row.speculation.tokens[0]), row.speculation.runner_up
         cache, mask = self.cache, self.kwargs.get("attention_mask")
@@ -144,6 +145,8 @@ class TargetBatch:
         with phases("processors"):
             chain = torch.tensor([[first]], device=self.ids.device)
             scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, :2])
+        if generator is not None:
+            return self._sample_siblings(batch, phases, outputs, raw, scores, generator)
         with phases("verify"):
             predicted = scores[0].argmax(dim=-1).tolist()  # the choice after t and after s_1: one read-back
             winner = sibling_winner(predicted[0], first, second)
@@ -164,6 +167,32 @@ class TargetBatch:
         self._outputs = outputs
         self._extended = extend_row_inputs(copy.copy(self.kwargs), self.ids.shape[1] + 1)
         return Verdict(1, chain, raw, scores, [accepted], [bonus], runner_up=[winner == RUNNER_UP_WON])
+
+    def _sample_siblings(self, batch: Batch, phases, outputs, raw: torch.Tensor, scores: torch.Tensor,
+                         generator: torch.Generator) -> Verdict:
+        """`_verify_siblings`' verdict under sampling, after its forward (`raw` [1, 3, V]: after t, s_1, r) and the
+        scores of the chain [s_1] (`scores` [1, 2, V]): the runner-up's position is scored too, with r in the prefix,
+        before either is drawn."""
+        row = batch.active[0]
+        first, second = int(row.speculation.tokens[0]), row.speculation.runner_up
+        with phases("processors"):
+            chain = torch.tensor([[second]], device=self.ids.device)
+            after_second = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, [0, 2]])
+        with phases("verify"):
+            p = torch.cat([scores[0], after_second[0, 1:]]).softmax(-1)
+            q = _arrive(row.speculation.probs[0], p.device)
+            winner, bonus = sibling_sampling_verify(first, second, q, p, generator)
+            cache = self.cache
+            if winner == RUNNER_UP_WON:
+                drop_position(cache, cache.get_seq_length() - 2)  # s_1's slot: the runner-up's moves into it
+                raw, scores, chain = raw[:, [0, 2]], after_second, chain
+            else:
+                cache.crop(-1)  # the runner-up's slot, the last
+                raw, chain = raw[:, :2], torch.tensor([[first]], device=self.ids.device)
+        self._outputs = outputs
+        self._extended = extend_row_inputs(copy.copy(self.kwargs), self.ids.shape[1] + 1)
+        return Verdict(1, chain, raw, scores, [0 if winner == NEITHER else 1], [bonus],
+                       runner_up=[winner == RUNNER_UP_WON])
 
     def _forward(self, tokens: torch.Tensor):
         """One target forward over the new tokens [bonus, s_1..s_L] of every row ([b, L]).

@@ -2,6 +2,7 @@
 
 Shapes: `draft_tokens` [b, L], `draft_probs` q [b, L, V], target scores / probs p [b, L+1, V].
 Both return `(accepted [b], bonus [b])`: the number of accepted draft tokens and the token that follows them.
+`sibling_sampling_verify` verifies one row's first drafted token and a second candidate for the same position.
 """
 
 from __future__ import annotations
@@ -72,3 +73,26 @@ def accept(
     if draft_probs is None:
         return greedy_verify(draft_tokens, target_scores)
     return sampling_verify(draft_tokens, draft_probs, target_scores.softmax(-1), generator)
+
+
+def sibling_sampling_verify(first: int, runner_up: int, q: torch.Tensor, p: torch.Tensor,
+                            generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative sampling over two candidates for one position (recursive rejection, as multi-draft speculative
+    sampling does): `first` was drawn from `q` [V]; `runner_up` is any token other than `first` fixed before the
+    target's law is known (the draft's second choice). `p` [3, V]: the target's law after t, after `first` and after
+    `runner_up`. `first` is accepted with probability min(1, p_0(first) / q(first)); else `runner_up` is weighed as a
+    proposal that is certain (q = one-hot) against the residual r = normalize(max(p_0 - q, 0)), accepted with
+    probability r(runner_up); else the token is drawn from r without `runner_up`. Each stage draws exactly from
+    what remains of p_0, so the token after t follows p_0 and the bonus after the accepted one follows its row of p.
+    Returns (which was accepted: 0 `first`, 1 `runner_up`, -1 neither, then the token drawn after t), bonus)."""
+    p = p.float()
+    q = q.float().to(p.device)
+    u = torch.rand(2, generator=generator, device=p.device)
+    if bool(u[0] * q[first] < p[0, first]):
+        return 0, int(torch.multinomial(p[1], 1, generator=generator))
+    residual = residual_distribution(p[0], q)
+    if bool(u[1] < residual[runner_up]):
+        return 1, int(torch.multinomial(p[2], 1, generator=generator))
+    certain = torch.zeros_like(residual)
+    certain[runner_up] = 1.0
+    return -1, int(torch.multinomial(residual_distribution(residual, certain), 1, generator=generator))
