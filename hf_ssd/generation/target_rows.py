@@ -146,7 +146,7 @@ class TargetBatch:
             chain = torch.tensor([[first]], device=self.ids.device)
             scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, :2])
         if generator is not None:
-            return self._sample_siblings(batch, phases, outputs, raw, scores, generator)
+            return self._sample_siblings(batch, phases, (first, second), outputs, raw, scores, generator)
         with phases("verify"):
             predicted = scores[0].argmax(dim=-1).tolist()  # the choice after t and after s_1: one read-back
             winner = sibling_winner(predicted[0], first, second)
@@ -168,24 +168,23 @@ class TargetBatch:
         self._extended = extend_row_inputs(copy.copy(self.kwargs), self.ids.shape[1] + 1)
         return Verdict(1, chain, raw, scores, [accepted], [bonus], runner_up=[winner == RUNNER_UP_WON])
 
-    def _sample_siblings(self, batch: Batch, phases, outputs, raw: torch.Tensor, scores: torch.Tensor,
-                         generator: torch.Generator) -> Verdict:
+    def _sample_siblings(self, batch: Batch, phases, siblings: tuple[int, int], outputs, raw: torch.Tensor,
+                         scores: torch.Tensor, generator: torch.Generator) -> Verdict:
         """`_verify_siblings`' verdict under sampling, after its forward (`raw` [1, 3, V]: after t, s_1, r) and the
         scores of the chain [s_1] (`scores` [1, 2, V]): the runner-up's position is scored too, with r in the prefix,
-        before either is drawn."""
-        row = batch.active[0]
-        first, second = int(row.speculation.tokens[0]), row.speculation.runner_up
+        before either is drawn. `siblings`: (s_1, r)."""
+        first, second = siblings
         with phases("processors"):
             chain = torch.tensor([[second]], device=self.ids.device)
             after_second = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, [0, 2]])
         with phases("verify"):
             p = torch.cat([scores[0], after_second[0, 1:]]).softmax(-1)
-            q = _arrive(row.speculation.probs[0], p.device)
+            q = _arrive(batch.active[0].speculation.probs[0], p.device)
             winner, bonus = sibling_sampling_verify(first, second, q, p, generator)
             cache = self.cache
             if winner == RUNNER_UP_WON:
                 drop_position(cache, cache.get_seq_length() - 2)  # s_1's slot: the runner-up's moves into it
-                raw, scores, chain = raw[:, [0, 2]], after_second, chain
+                raw, scores = raw[:, [0, 2]], after_second  # `chain` is [r]
             else:
                 cache.crop(-1)  # the runner-up's slot, the last
                 raw, chain = raw[:, :2], torch.tensor([[first]], device=self.ids.device)
