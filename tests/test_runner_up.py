@@ -311,14 +311,14 @@ def test_sampling_law_through_runner_up_rounds(monkeypatch, law_models, executor
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor=executor, runner_up="always")
     rounds = []
-    original = target_rows.TargetBatch._sample_siblings
+    original = target_rows.TargetBatch._verify_siblings
 
     def counted(self, *args, **kwargs):
         verdict = original(self, *args, **kwargs)
         rounds.append(verdict.runner_up[0])
         return verdict
 
-    monkeypatch.setattr(target_rows.TargetBatch, "_sample_siblings", counted)
+    monkeypatch.setattr(target_rows.TargetBatch, "_verify_siblings", counted)
     counts, _, _ = ssd_samples(target, law_models["random"], config, sampling, seed=97)
     pvalues = law_pvalues(exact_law(target, sampling), counts)
     print(f"p-values {pvalues}, runner-up rounds {len(rounds)}, won {sum(rounds)}")

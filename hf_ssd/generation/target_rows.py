@@ -36,6 +36,7 @@ class TargetBatch:
         self.model = model
         self.generation_config = generation_config
         self._compiled = None  # the compiled forward of a compileable cache (see `auto_compiled_forward`)
+        self._siblings: bool | None = None  # whether a runner-up can be verified as a sibling (`runner_up_possible`)
         self.cache_key = model_kwargs_cache_key(model_kwargs)
         if input_ids.shape[0] > 1:
             # Full layers (sliding windows still apply through the 2D mask); realigned every round.
@@ -74,17 +75,19 @@ class TargetBatch:
         """Whether this target's rounds can verify a sibling at all: after the prefill, every cache layer a full
         dynamic one (a sliding window's keeps fewer positions than the sibling mask spans; a static or compiled
         cache has no room for a sibling), attention that takes a 4D mask (sdpa, eager), and no per-token input but
-        the mask and the positions."""
-        if self.first or self._compiled is not None:
+        the mask and the positions. Decided once, after the prefill: the cache's type and layers, the attention and
+        the inputs do not change while rows leave."""
+        if self.first:
             return False
-        cache = self.cache
-        if not isinstance(cache, DynamicCache) or not cache.layers or any(type(layer) is not DynamicLayer
-                                                                            for layer in cache.layers):
-            return False
-        if getattr(self.model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
-            return False
-        return not any(self.kwargs.get(key) is not None for key in ROW_INPUTS
-                       if key not in ("attention_mask", "position_ids"))
+        if self._siblings is None:
+            cache = self.cache
+            self._siblings = (
+                self._compiled is None and isinstance(cache, DynamicCache) and bool(cache.layers)
+                and all(type(layer) is DynamicLayer for layer in cache.layers)
+                and getattr(self.model.config, "_attn_implementation", None) in ("sdpa", "eager")
+                and not any(self.kwargs.get(key) is not None for key in ROW_INPUTS
+                            if key not in ("attention_mask", "position_ids")))
+        return self._siblings
 
     def verify(self, batch: Batch, verified: int, generator: torch.Generator | None, phases,
                cores=contextlib.nullcontext, draft_idle: bool = False, runner_up: bool = False) -> Verdict:
@@ -124,8 +127,9 @@ class TargetBatch:
     def _verify_siblings(self, batch: Batch, phases, cores, generator: torch.Generator | None = None) -> Verdict:
         """One forward over [t, s_1, r] (`runner_up.sibling_inputs`), then the verdict of the sibling the target's
         choice took, as if that sibling had been the speculation: the cache keeps its KV slot only, so `realign`
-        commits it as a one-token round. Greedy: the target's choice after t, then its choice after the sibling;
-        sampling: `verification.sibling_sampling_verify` against the draft's q for s_1."""
+        commits it as a one-token round. Greedy: the target's choice after t, then its choice after the sibling
+        (r's position scored only where r won); sampling: `verification.sibling_sampling_verify` against the
+        draft's q for s_1, both positions scored before either is drawn."""
         row = batch.active[0]
         first, second = int(row.speculation.tokens[0]), row.speculation.runner_up
         cache, mask = self.cache, self.kwargs.get("attention_mask")
@@ -142,52 +146,37 @@ class TargetBatch:
                                  use_cache=True, **{self.cache_key: cache})
         self.forward_seconds = time.perf_counter() - start
         raw = outputs.logits[:, -3:].to(dtype=torch.float32, device=self.ids.device)
-        with phases("processors"):
-            chain = torch.tensor([[first]], device=self.ids.device)
-            scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, :2])
-        if generator is not None:
-            return self._sample_siblings(batch, phases, (first, second), outputs, raw, scores, generator)
-        with phases("verify"):
-            predicted = scores[0].argmax(dim=-1).tolist()  # the choice after t and after s_1: one read-back
-            winner = sibling_winner(predicted[0], first, second)
-        if winner == RUNNER_UP_WON:  # the bonus follows r: its position's scores, with r in the prefix
+
+        def scored(token: int) -> tuple[torch.Tensor, torch.Tensor]:  # (chain [[token]], the scores after t, token)
+            chain = torch.tensor([[token]], device=self.ids.device)
             with phases("processors"):
-                chain = torch.tensor([[second]], device=self.ids.device)
-                scores = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, [0, 2]])
+                return chain, process_rows(self.logits_processor, batch.rows, batch.active, chain,
+                                           raw[:, [0, 1 if token == first else 2]])
+
+        chain, scores = scored(first)
+        runner_up_scores = None
+        if generator is not None:
+            _, runner_up_scores = scored(second)
+            with phases("verify"):
+                p = torch.cat([scores[0], runner_up_scores[0, 1:]]).softmax(-1)
+                q = _arrive(row.speculation.probs[0], p.device)
+                winner, bonus = sibling_sampling_verify(first, second, q, p, generator)
+        else:
+            with phases("verify"):
+                predicted = scores[0].argmax(dim=-1).tolist()  # the choice after t and after s_1: one read-back
+                winner = sibling_winner(predicted[0], first, second)
+            if winner == RUNNER_UP_WON:  # the bonus follows r: its position's scores, with r in the prefix
+                _, runner_up_scores = scored(second)
+                with phases("verify"):
+                    predicted = runner_up_scores[0].argmax(dim=-1).tolist()
+            bonus = predicted[0 if winner == NEITHER else 1]
         with phases("verify"):
             if winner == RUNNER_UP_WON:
-                predicted = scores[0].argmax(dim=-1).tolist()
                 drop_position(cache, cached + 1)  # s_1's slot: the runner-up's moves into it
-                raw = raw[:, [0, 2]]
+                chain, raw, scores = torch.tensor([[second]], device=self.ids.device), raw[:, [0, 2]], runner_up_scores
             else:
                 cache.crop(-1)  # the runner-up's slot, the last
                 raw = raw[:, :2]
-            accepted = 0 if winner == NEITHER else 1
-            bonus = predicted[accepted]
-        self._outputs = outputs
-        self._extended = extend_row_inputs(copy.copy(self.kwargs), self.ids.shape[1] + 1)
-        return Verdict(1, chain, raw, scores, [accepted], [bonus], runner_up=[winner == RUNNER_UP_WON])
-
-    def _sample_siblings(self, batch: Batch, phases, siblings: tuple[int, int], outputs, raw: torch.Tensor,
-                         scores: torch.Tensor, generator: torch.Generator) -> Verdict:
-        """`_verify_siblings`' verdict under sampling, after its forward (`raw` [1, 3, V]: after t, s_1, r) and the
-        scores of the chain [s_1] (`scores` [1, 2, V]): the runner-up's position is scored too, with r in the prefix,
-        before either is drawn. `siblings`: (s_1, r)."""
-        first, second = siblings
-        with phases("processors"):
-            chain = torch.tensor([[second]], device=self.ids.device)
-            after_second = process_rows(self.logits_processor, batch.rows, batch.active, chain, raw[:, [0, 2]])
-        with phases("verify"):
-            p = torch.cat([scores[0], after_second[0, 1:]]).softmax(-1)
-            q = _arrive(batch.active[0].speculation.probs[0], p.device)
-            winner, bonus = sibling_sampling_verify(first, second, q, p, generator)
-            cache = self.cache
-            if winner == RUNNER_UP_WON:
-                drop_position(cache, cache.get_seq_length() - 2)  # s_1's slot: the runner-up's moves into it
-                raw, scores = raw[:, [0, 2]], after_second  # `chain` is [r]
-            else:
-                cache.crop(-1)  # the runner-up's slot, the last
-                raw, chain = raw[:, :2], torch.tensor([[first]], device=self.ids.device)
         self._outputs = outputs
         self._extended = extend_row_inputs(copy.copy(self.kwargs), self.ids.shape[1] + 1)
         return Verdict(1, chain, raw, scores, [0 if winner == NEITHER else 1], [bonus],
