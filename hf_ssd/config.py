@@ -12,6 +12,7 @@ FANOUT_BUDGET_SCHEDULES = ("adaptive", "constant")
 BACKUPS = ("auto", "draft", "ngram", "random")
 EXECUTORS = ("auto", "thread", "process", "sync", "stream")
 RUNNER_UPS = ("auto", "always", "never")
+PROMPT_LOOKUPS = ("auto", "always", "never")
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
@@ -76,6 +77,12 @@ class SSDConfig:
             of being the target's choice pays for the extra position on the measured cost curve (free where
             verifying three positions costs what two do), `"always"` in every such round (for ablations and tests),
             `"never"`.
+        prompt_lookup: whether a plain step (taken while the draft is paused, one row) also verifies the context's
+            own continuation beside its token: the tokens that followed the latest earlier occurrence of the last
+            2 to `ngram_max` tokens (prompt lookup). Exact under greedy decoding and sampling. `"auto"` where their
+            measured acceptance pays for the positions on the measured cost curve (free where verifying a few
+            positions costs what one does), `"always"` whenever a continuation is found (for ablations and tests),
+            `"never"`.
         compile_draft: run the draft's steps (glue, tree, just-in-time backup) compiled over a fixed-capacity KV
             cache, so each step's shapes are static: with `torch.compile` (on a GPU in "reduce-overhead" mode, i.e.
             captured once into CUDA graphs and replayed without launch overhead). The first calls compile.
@@ -100,6 +107,7 @@ class SSDConfig:
     adaptive: bool = True
     ngram_max: int = 3
     runner_up: str = "auto"
+    prompt_lookup: str = "auto"
     compile_draft: bool = False
     compile_backend: str = "inductor"
     _extra: dict = field(default_factory=dict, repr=False, compare=False)
@@ -160,6 +168,8 @@ class SSDConfig:
         _check_int("ngram_max", self.ngram_max, 1)
         if self.runner_up not in RUNNER_UPS:
             _fail("runner_up", self.runner_up, f"expected one of {RUNNER_UPS}")
+        if self.prompt_lookup not in PROMPT_LOOKUPS:
+            _fail("prompt_lookup", self.prompt_lookup, f"expected one of {PROMPT_LOOKUPS}")
         if not isinstance(self.compile_draft, bool):
             _fail("compile_draft", self.compile_draft, "expected a bool")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

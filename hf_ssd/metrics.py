@@ -103,6 +103,12 @@ class SSDMetrics:
     (`SSDConfig.runner_up`; the decisions record its rate then, `runner_up`), `runner_up_accepted` those whose
     runner-up was the target's choice (counted as an accepted draft token: the round emitted it and the bonus after
     it).
+
+    `prompt_lookup_rounds` counts the plain steps that verified the context's own continuation beside their token
+    (`SSDConfig.prompt_lookup`; the decisions record how many tokens, `lookup`, and their measured acceptance,
+    `lookup_acceptance`), `prompt_lookup_tokens` the tokens they verified, `prompt_lookup_accepted` those accepted.
+    They are no draft tokens: the draft's acceptance leaves them out; `tokens_per_round_by_source["lookup"]` is what
+    those steps emitted per step.
     """
 
     rounds: int = 0
@@ -155,6 +161,9 @@ class SSDMetrics:
     fanout_budget_per_round: list[int] = field(default_factory=list)
     runner_up_rounds: int = 0
     runner_up_accepted: int = 0
+    prompt_lookup_rounds: int = 0
+    prompt_lookup_tokens: int = 0
+    prompt_lookup_accepted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,19 +232,22 @@ class MetricsRecorder:
         return total / count if count else 0.0
 
     def record_round(self, source: str, accepted: int, verified: int, emitted: int) -> None:
-        """One row's round; `source` is where its speculation came from ("cache" or the backup's name)."""
+        """One row's round; `source` is where its speculation came from ("cache", the backup's name, or "lookup":
+        a plain step's prompt lookup, kept out of the draft's acceptance)."""
         self.rounds += 1
         self.generated += emitted
-        self.accepted_total += accepted
-        self.verified_total += verified
-        self.drafts += int(verified > 0)
-        self.emitted_total += accepted + 1
-        for i in range(min(verified, accepted + 1)):
-            self.reached[i] += 1
-            self.passed[i] += int(i < accepted)
         per_source = self.by_source.setdefault(source, [0, 0])
         per_source[0] += accepted + 1
         per_source[1] += 1
+        self.emitted_total += accepted + 1
+        if source == "lookup":
+            return
+        self.accepted_total += accepted
+        self.verified_total += verified
+        self.drafts += int(verified > 0)
+        for i in range(min(verified, accepted + 1)):
+            self.reached[i] += 1
+            self.passed[i] += int(i < accepted)
 
     def record_lookup(self, hit: bool, accepted: int) -> None:
         self.by_position[accepted][0] += int(hit)

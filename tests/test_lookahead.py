@@ -4,6 +4,7 @@ sampling (the exact law, with a negative control)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import tiny_model, tiny_pair
+from test_greedy_equivalence import _other_arch
 from test_sampling_law import (
     ALPHA,
     E2E_VOCAB,
@@ -30,6 +32,7 @@ from hf_ssd.generation import estimates as estimates_module
 from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation import plain_steps as plain_steps_module
 from hf_ssd.generation import probing
+from hf_ssd.generation import prompt_lookup as prompt_lookup_module
 from hf_ssd.generation.candidate_generator import DraftTimings, SaguaroCandidateGenerator
 from hf_ssd.generation.costs import CPU_SHAPE, FLAT_SHAPE, GPU_SHAPE
 from hf_ssd.generation.estimates import expected_tokens
@@ -661,15 +664,15 @@ def scripted_ks(rounds: int, k_max: int = 3, script=None) -> list[int]:
     return ks
 
 
-def scripted_runs(arch: str, executor: str, seed: int, new_tokens: int, prompt_length: int = 11):
+def scripted_runs(arch: str, executor: str, seed: int, new_tokens: int, prompt_length: int = 11, **config):
     """(whether the draft is the target itself, metrics) of SSD with the target as its own draft and with an
-    unrelated one, each output checked against plain greedy decoding."""
+    unrelated one, each output checked against plain greedy decoding (`config`: more `SSDConfig` fields)."""
     target, random_draft = tiny_pair(arch, seed=seed)
     ids = torch.randint(0, 96, (1, prompt_length), generator=torch.Generator().manual_seed(seed % 7 + 3))
     expected = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     for draft in (target, random_draft):
         out = target.generate(ids, assistant_model=draft, max_new_tokens=new_tokens, do_sample=False,
-                              ssd_config=SSDConfig(lookahead=3, executor=executor))
+                              ssd_config=SSDConfig(lookahead=3, executor=executor, **config))
         assert torch.equal(out, expected), (arch, executor)
         yield draft is target, target.ssd_metrics
 
@@ -723,13 +726,14 @@ def _record_paused_states(monkeypatch) -> list[list[tuple]]:
 
 
 def _self_drafted_run(target, ids, states, seed: int, max_new_tokens: int, do_sample: bool) -> torch.Tensor:
-    """One recorded run with the target as its own draft (inline, draft backup, constant budget): a new list in
-    `states` (`_record_paused_states`), the global seed set, the output returned."""
+    """One recorded run with the target as its own draft (inline, draft backup, constant budget; no prompt lookup,
+    which only a plain stretch's steps take): a new list in `states` (`_record_paused_states`), the global seed set,
+    the output returned."""
     states.append([])
     torch.manual_seed(seed)
     return target.generate(ids, assistant_model=target, max_new_tokens=max_new_tokens, do_sample=do_sample, top_k=0,
                            ssd_config=SSDConfig(lookahead=3, executor="sync", backup="draft",
-                                                fanout_budget_schedule="constant"))
+                                                fanout_budget_schedule="constant", prompt_lookup="never"))
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
@@ -1252,17 +1256,27 @@ def _stretched(metrics) -> int:
     return sum(entry["why"] == plain_steps_module.PLAIN_STRETCH for entry in metrics.lookahead_decisions)
 
 
+@pytest.mark.parametrize("prompt_lookup", ["never", "always"])
 @pytest.mark.parametrize("executor", ["sync", "thread", "stream", "process"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
-def test_greedy_identical_through_plain_stretches(monkeypatch, arch, executor):
+def test_greedy_identical_through_plain_stretches(monkeypatch, arch, executor, prompt_lookup):
     """Plain steps taken in a row between probes (the draft told at once afterwards), for a useless draft and for
     the target as its own draft (its probes are accepted: trials and resumed speculation follow): plain decoding's
-    output, one trace entry per round, the stretches no longer than `STRETCH_MAX`."""
+    output, one trace entry per round, the stretches no longer than `STRETCH_MAX`. With prompt lookup the steps
+    also verify the context's continuation (a tiny model's greedy text soon repeats itself): the draft is told of
+    the accepted tokens as plain steps, and resumes from them."""
     _plain_policy(monkeypatch)
-    for itself, m in scripted_runs(arch, executor, seed=90, new_tokens=70):
+    for itself, m in scripted_runs(arch, executor, seed=90, new_tokens=70, prompt_lookup=prompt_lookup):
         assert len(m.lookahead_per_round) == m.batch_rounds and m.generated_tokens == 70
         whys = [entry["why"] for entry in m.lookahead_decisions]
-        assert _stretched(m) >= 20, whys
+        assert _stretched(m) >= (20 if prompt_lookup == "never" else 10), whys
+        looked_up = [entry["lookup"] for entry in m.lookahead_decisions if "lookup" in entry]
+        assert m.prompt_lookup_rounds == len(looked_up) and m.prompt_lookup_tokens == sum(looked_up)
+        if prompt_lookup == "never":
+            assert m.prompt_lookup_rounds == 0
+        else:
+            assert 0 < m.prompt_lookup_accepted <= m.prompt_lookup_tokens, m
+            assert m.tokens_per_round_by_source["lookup"] > 1.0
         runs = [len(list(group)) for why, group in itertools.groupby(whys) if why == plain_steps_module.PLAIN_STRETCH]
         assert max(runs) <= plain_steps_module.STRETCH_MAX
         assert all(entry["depth"] == 0 and entry["k"] == 0 for entry in m.lookahead_decisions
@@ -1351,6 +1365,103 @@ def test_negative_control_a_greedy_plain_step(monkeypatch, law_models):
     target = law_models["target"]
     config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor="sync")
     counts, _, _ = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=92, samples=300)
+    assert min(law_pvalues(exact_law(target, TEMPERATURE), counts).values()) < REJECT
+
+
+# --- prompt lookup: plain steps of a stretch verify the context's own continuation --------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral_sliding", "gpt2", "gemma2", "mixtral", "phi3"])
+def test_greedy_identical_through_prompt_lookup(monkeypatch, arch):
+    """Plain stretches verifying the context's continuation on every step that finds one (`"always"`), across the
+    architectures (sliding windows, absolute positions, soft-capping, experts): plain decoding's output; the
+    proposals are accepted and rejected both (a repeated prompt, then the model's own text)."""
+    _plain_policy(monkeypatch)
+    if arch in ARCHS:
+        target, draft = tiny_pair(arch, seed=71)
+        vocab = 96
+    else:
+        torch.manual_seed(71)
+        target, vocab = enable_ssd(_other_arch(arch, 2).eval()), 128
+        torch.manual_seed(72)
+        draft = _other_arch(arch, 1).eval()
+    half = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(73))
+    ids = torch.cat([half, half[:, :5]], dim=1)  # its last tokens occurred before: the first steps find proposals
+    expected = target.generate(ids, max_new_tokens=60, do_sample=False)
+    for assistant in (draft, target):
+        out = target.generate(ids, assistant_model=assistant, max_new_tokens=60, do_sample=False,
+                              ssd_config=SSDConfig(lookahead=3, executor="sync", prompt_lookup="always"))
+        assert torch.equal(out, expected), (arch, assistant is target)
+    m = target.ssd_metrics  # the target as its own draft: its probes are accepted, its speculations too
+    assert m.prompt_lookup_rounds > 0 and m.draft_acceptance_rate == 1.0
+
+
+def test_prompt_lookup_only_for_one_row(monkeypatch):
+    """A batch's plain steps verify no proposal (its rows would propose different lengths); one row's do, and a
+    prompt_lookup of "never" takes none."""
+    _plain_policy(monkeypatch)
+    target, draft = tiny_pair("llama", seed=74)
+    half = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(75))
+    ids = torch.cat([half, half], dim=1)
+    for rows, mode in ((2, "always"), (1, "always"), (1, "never")):
+        out = target.generate(ids[:rows], attention_mask=torch.ones_like(ids[:rows]), assistant_model=draft,
+                              max_new_tokens=40, do_sample=False, pad_token_id=0,
+                              ssd_config=SSDConfig(lookahead=3, executor="sync", prompt_lookup=mode))
+        assert torch.equal(out, target.generate(ids[:rows], attention_mask=torch.ones_like(ids[:rows]),
+                                                max_new_tokens=40, do_sample=False, pad_token_id=0))
+        m = target.ssd_metrics
+        stretched = [entry for entry in m.lookahead_decisions if entry["why"] == plain_steps_module.PLAIN_STRETCH]
+        assert sum(entry["rows"] == rows for entry in stretched) >= 10
+        assert all(entry["rows"] == 1 for entry in stretched if "lookup" in entry)  # (a batch down to one row may)
+        assert m.prompt_lookup_rounds == sum("lookup" in entry for entry in stretched)
+        if rows == 1:
+            assert (m.prompt_lookup_rounds > 0) == (mode == "always"), mode
+
+
+@pytest.mark.parametrize("executor, sampling", [
+    pytest.param("sync", TEMPERATURE, id="sync"),
+    pytest.param("process", WARPED, id="process-warped"),
+])
+def test_sampling_law_through_prompt_lookup(monkeypatch, law_models, executor, sampling):
+    """4 new tokens per sample after the repeating prompt: the first round verifies a speculation, the later ones
+    are plain steps of a stretch verifying the context's continuation (q one-hot: accepted with probability p(x),
+    else the token drawn from p without x). Proposals are accepted and rejected both."""
+    _plain_policy(monkeypatch)
+    monkeypatch.setattr(probing, "PAUSE_AFTER", 0)
+    outcomes = []
+    original = prompt_lookup_module.PromptLookup.observe
+
+    def counted(self, verified, accepted):
+        outcomes.append((verified, accepted))
+        return original(self, verified, accepted)
+
+    monkeypatch.setattr(prompt_lookup_module.PromptLookup, "observe", counted)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor=executor, prompt_lookup="always")
+    counts, _, _ = ssd_samples(target, law_models["random"], config, sampling, seed=93)
+    pvalues = law_pvalues(exact_law(target, sampling), counts)
+    accepted = sum(a for _, a in outcomes)
+    print(f"p-values {pvalues}, lookup rounds {len(outcomes)}, tokens {sum(v for v, _ in outcomes)}, accepted "
+          f"{accepted}")
+    assert len(outcomes) > 150 and 0 < accepted < sum(v for v, _ in outcomes)
+    assert min(pvalues.values()) >= ALPHA, pvalues
+
+
+def test_negative_control_prompt_lookup_weighed_as_a_draft_guess(monkeypatch, law_models):
+    """Power check: proposal tokens verified as if drawn uniformly (q = 1/V: accepted with probability V p(x) instead
+    of p(x)) are rejected."""
+    _plain_policy(monkeypatch)
+    monkeypatch.setattr(probing, "PAUSE_AFTER", 0)
+    original = prompt_lookup_module.PromptLookup.speculation
+
+    def uniform(self, tokens, device):
+        speculation = original(self, tokens, device)
+        return dataclasses.replace(speculation, probs=torch.full_like(speculation.probs, 1.0 / self.vocab_size))
+
+    monkeypatch.setattr(prompt_lookup_module.PromptLookup, "speculation", uniform)
+    target = law_models["target"]
+    config = SSDConfig(lookahead=3, fanout_budget=4, backup="draft", executor="sync", prompt_lookup="always")
+    counts, _, _ = ssd_samples(target, law_models["random"], config, TEMPERATURE, seed=94, samples=400)
     assert min(law_pvalues(exact_law(target, TEMPERATURE), counts).values()) < REJECT
 
 

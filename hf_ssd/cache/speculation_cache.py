@@ -3,7 +3,8 @@
 Vocabulary (shared with the metrics and the fan-out estimator): looking an outcome up is a **hit** or a **miss**; a
 speculation's `source` is `CACHE` after a hit, else the name of the backup that drafted it (`BACKUP_SOURCES`), or
 `PLAIN` for the empty speculation of a plain target step while the draft is paused (no lookup), `SERIAL` for one
-the draft made just in time after the verification it sat out (SD's schedule: no lookup either).
+the draft made just in time after the verification it sat out (SD's schedule: no lookup either), `LOOKUP` for the
+context's own continuation a plain step verifies (`generation/prompt_lookup.py`: no draft token, no lookup).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ CACHE = "cache"
 BACKUP_SOURCES = ("draft", "ngram", "random")
 PLAIN = "plain"
 SERIAL = "serial"
-SOURCES = (CACHE, *BACKUP_SOURCES, PLAIN, SERIAL)
-NOT_LOOKED_UP = (PLAIN, SERIAL)  # sources of speculations that were not looked up in the cache
+LOOKUP = "lookup"
+SOURCES = (CACHE, *BACKUP_SOURCES, PLAIN, SERIAL, LOOKUP)
+NOT_LOOKED_UP = (PLAIN, SERIAL, LOOKUP)  # sources of speculations that were not looked up in the cache
 
 
 def lookup_kind(source: str) -> str:

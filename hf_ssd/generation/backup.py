@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 
 
-def ngram_lookup(context: list[int] | torch.Tensor, lookahead: int, ngram_max: int) -> list[int]:
-    """Prompt lookup: continue the most recent earlier occurrence of the longest matching suffix n-gram.
+def ngram_lookup(context: list[int] | torch.Tensor, lookahead: int, ngram_max: int, ngram_min: int = 1) -> list[int]:
+    """Prompt lookup: continue the most recent earlier occurrence of the longest matching suffix n-gram
+    (`ngram_min` <= n <= `ngram_max`).
 
     Returns up to `lookahead` tokens (possibly none). One tensor comparison per n over the whole context.
     """
     ctx = torch.as_tensor(context, dtype=torch.long)
     n_ctx = ctx.shape[0]
-    for n in range(min(ngram_max, n_ctx - 1), 0, -1):
+    for n in range(min(ngram_max, n_ctx - 1), max(ngram_min, 1) - 1, -1):
         # every earlier window of n tokens (the suffix itself, starting at n_ctx - n, excluded)
         windows = ctx[: n_ctx - 1].unfold(0, n, 1)
         starts = (windows == ctx[n_ctx - n :]).all(dim=1).nonzero()

@@ -28,6 +28,7 @@ from .checks import check_processors, check_supported, model_vocab_size
 from .costs import prior_cost_shape
 from .lookahead import LookaheadMemory, LookaheadPolicy
 from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, steps
+from .prompt_lookup import PromptLookup
 from .rows import Batch
 from .target_rows import TargetBatch, kv_bytes
 
@@ -57,6 +58,7 @@ def ssd_decoding(
     batch = Batch(input_ids, stopping_criteria, generation_config)
     target = TargetBatch(model, input_ids, model_kwargs, logits_processor, generation_config)
     recorder, backups = MetricsRecorder(config.lookahead, config.serial_lookahead), AutoBackup(config.backup)
+    lookup = PromptLookup(config.prompt_lookup, config.ngram_max, request.vocab_size, do_sample)
     target_threads = request.target_threads if kind != "sync" else torch.get_num_threads()
     # serial rounds (the draft sits a verification out, then drafts on every core) only pay where the two share cores
     shared_cores = input_ids.device.type == "cpu" and assistant_model.device.type == "cpu"
@@ -128,27 +130,39 @@ def ssd_decoding(
                                  sum(r.looked_up for r in resolutions))
             batch.hand([resolution.speculation for resolution in resolutions])
             if (steps := policy.plain_stretch()) and not _plain_stretch(
-                    steps, policy, target, batch, drafter, recorder, stream, target_generator):
+                    steps, policy, target, batch, drafter, recorder, stream, target_generator, lookup,
+                    generation_config.max_length):
                 break
         report = drafter.finish()  # stops a `prepare` still running for rows that have all finished
-    metrics = _metrics(recorder, report, drafter, config, batch, backups, time.perf_counter() - start, policy)
+    metrics = _metrics(recorder, report, drafter, config, batch, backups, time.perf_counter() - start, policy,
+                       lookup)
     model.ssd_metrics = metrics
     return _outputs(input_ids, batch, target, generation_config, metrics, pad)
 
 
-def _plain_stretch(steps, policy, target, batch, drafter, recorder, stream, generator) -> bool:
-    """Up to `steps` plain steps in a row with the draft paused (`LookaheadPolicy.plain_stretch`): verify nothing,
-    emit, realign — the round's other phases wait until the stretch ends or a row finishes, then the draft commits
-    the steps at once (`sat_out`). Each step's forward runs on every core. False when every row is done."""
+def _plain_stretch(steps, policy, target, batch, drafter, recorder, stream, generator, lookup, max_length) -> bool:
+    """Up to `steps` plain steps in a row with the draft paused (`LookaheadPolicy.plain_stretch`): verify nothing but,
+    for one row, the context's own continuation where it pays (`prompt_lookup.py`), emit, realign — the round's other
+    phases wait until the stretch ends or a row finishes, then the draft commits the steps at once (`sat_out`; a
+    step's accepted lookup tokens as plain steps of their own). Each step's forward runs on every core. False when
+    every row is done."""
     phase, rounds = recorder.phases, []
     for _ in range(steps):
         policy.plain_step()
+        tokens = _lookup(lookup, policy, batch, target, max_length)
+        if tokens:  # verified as the row's speculation for this step
+            row = batch.active[0]
+            held, row.speculation = row.speculation, lookup.speculation(tokens, row.ids.device)
         with recorder.verification():
-            verdict = target.verify(batch, 0, generator, phase, drafter.target_cores, draft_idle=True)
+            verdict = target.verify(batch, len(tokens), generator, phase, drafter.target_cores, draft_idle=True)
         with phase("emit"):
             emitted = batch.emit(verdict, recorder)
             stream.flush()
+        if tokens:
+            lookup.observe(len(tokens), verdict.accepted[0])
+            row.speculation = held
         keep = batch.retire()
+        rounds.extend(([(0, token)], 0, [0]) for token in tokens[:verdict.accepted[0]] if tokens)
         rounds.append(([(0, bonus) for bonus in verdict.bonus], 0, keep))
         with phase("realign"):
             target.realign(verdict, emitted, keep)
@@ -162,6 +176,18 @@ def _plain_stretch(steps, policy, target, batch, drafter, recorder, stream, gene
         resolutions = drafter.sat_out(rounds).result()
     batch.hand([resolution.speculation for resolution in resolutions])
     return True
+
+
+def _lookup(lookup, policy, batch, target, max_length) -> list[int]:
+    """The prompt lookup tokens this plain step verifies, [] for none (one row only: a batch's rows would propose
+    different lengths)."""
+    if not lookup.enabled or len(batch.active) != 1:
+        return []
+    proposal = lookup.propose(batch.active[0].ids, batch.room(max_length, target.max_positions))
+    tokens = proposal[:lookup.choose(proposal, *policy.lookup_costs())]
+    if tokens:
+        policy.lookup_step(len(tokens), lookup.acceptance.estimates())
+    return tokens
 
 
 @contextlib.contextmanager
@@ -192,12 +218,13 @@ def _draft_request(config: SSDConfig, do_sample: bool, logits_processor, vocab_s
                         draft_threads, target_threads)
 
 
-def _metrics(recorder, report, drafter, config, batch, backups, wall_seconds, policy):
+def _metrics(recorder, report, drafter, config, batch, backups, wall_seconds, policy, lookup):
     recorder.generated = sum(len(row.generated) for row in batch.rows)
     local_threads = drafter.kind != "sync"
     return recorder.finish(
         **dataclasses.asdict(report),
         **policy.metrics(),
+        **lookup.metrics(),
         draft_seconds=drafter.busy_seconds,
         wall_seconds=wall_seconds,
         branches=config.branches,

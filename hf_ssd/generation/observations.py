@@ -78,6 +78,8 @@ class RoundObservations:
         k = self.trace[-1]["k"] if self.trace else self.k_max
         if self.runner_up_fed:  # its forward covered three positions, as a round verifying two tokens does
             k += 1
+        if self.trace:  # a plain step verifying a prompt lookup's tokens (draft idle): a serial verification's cost
+            k += self.trace[-1].get("lookup", 0)
         wall = time.perf_counter() - self._round_start if self._round_start is not None else None
         first = self._rounds == 0
         self._rounds += 1

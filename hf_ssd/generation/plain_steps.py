@@ -8,6 +8,7 @@ A mixin of `LookaheadPolicy`: it reads the policy's estimates, costs (`RoundCost
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from .estimates import OPTIMISM, expected_tokens
 from .modes import PLAIN, RESUME_MARGIN, _margin
@@ -75,6 +76,19 @@ class PlainSteps:
         self.probing.plain_depth(self.k_max, self._plain_probe_cost)
         self.trace.append({"k": 0, "why": PLAIN_STRETCH, "wanted": 0, "mode": PLAIN, "rows": self._active_rows,
                            "depth": 0, "tokens": 1.0})
+
+    def lookup_costs(self) -> tuple[float | None, Callable[[int], float | None]]:
+        """What a plain step of a stretch weighs its prompt lookup by (`PromptLookup.choose`): the plain step's time
+        (the draft paused), and T_v(m) of m proposal tokens verified with the draft idle, as a serial round's m draft
+        tokens are (`serial_verify_seconds`: measured, else guessed as cheap as the largest measured below)."""
+        table, serial = self.times(), self.serial_times()
+        return self.verify_seconds(0, table), lambda m: self.serial_verify_seconds(m, table, serial)
+
+    def lookup_step(self, tokens: int, acceptance: list[float]) -> None:
+        """This plain step verifies `tokens` proposal tokens beside its own: recorded in its decision (the round's
+        forward is then timed as a verification of that many tokens, `observe_round`)."""
+        if tokens and self.trace:
+            self.trace[-1].update(lookup=tokens, lookup_acceptance=[round(a, 3) for a in acceptance[:tokens]])
 
     def _probe_cost(self) -> float:
         """What a probe adds to its round, as a fraction of a plain step (`Probing` spaces probes by it): what rounds
