@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .cache.speculation_cache import NOT_LOOKED_UP
+from .cache.speculation_cache import LOOKUP, NOT_LOOKED_UP
 
 
 class PhaseTimer:
@@ -240,7 +240,7 @@ class MetricsRecorder:
         per_source[0] += accepted + 1
         per_source[1] += 1
         self.emitted_total += accepted + 1
-        if source == "lookup":
+        if source == LOOKUP:  # no draft tokens
             return
         self.accepted_total += accepted
         self.verified_total += verified

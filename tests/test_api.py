@@ -255,9 +255,9 @@ def check_metrics(metrics: SSDMetrics, new_tokens: int, lookahead: int) -> None:
     assert metrics.generated_tokens == new_tokens
     assert metrics.lookahead == lookahead
     assert 1 <= metrics.rounds <= new_tokens
-    # plain steps while the draft is paused, and serial speculations (drafted after a verification the draft sat
-    # out), were not looked up
-    unlooked = metrics.rounds_by_source.get("plain", 0) + metrics.rounds_by_source.get("serial", 0)
+    # plain steps while the draft is paused (with or without a prompt lookup's tokens), and serial speculations
+    # (drafted after a verification the draft sat out), were not looked up
+    unlooked = sum(metrics.rounds_by_source.get(source, 0) for source in ("plain", "lookup", "serial"))
     assert metrics.cache_lookups == metrics.rounds - 1 - unlooked  # every other round but the first looks one up
     assert len(metrics.hits_by_position) == metrics.lookahead + 1
     assert [sum(col) for col in zip(*metrics.hits_by_position)] == [metrics.cache_hits, metrics.cache_lookups]

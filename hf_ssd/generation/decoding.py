@@ -159,10 +159,11 @@ def _plain_stretch(steps, policy, target, batch, drafter, recorder, stream, gene
             emitted = batch.emit(verdict, recorder)
             stream.flush()
         if tokens:
+            policy.lookup_step(len(tokens), verdict.accepted[0], lookup.acceptance.estimates())
             lookup.observe(len(tokens), verdict.accepted[0])
             row.speculation = held
         keep = batch.retire()
-        rounds.extend(([(0, token)], 0, [0]) for token in tokens[:verdict.accepted[0]] if tokens)
+        rounds.extend(([(0, token)], 0, [0]) for token in tokens[:verdict.accepted[0]])
         rounds.append(([(0, bonus) for bonus in verdict.bonus], 0, keep))
         with phase("realign"):
             target.realign(verdict, emitted, keep)
@@ -184,10 +185,7 @@ def _lookup(lookup, policy, batch, target, max_length) -> list[int]:
     if not lookup.enabled or len(batch.active) != 1:
         return []
     proposal = lookup.propose(batch.active[0].ids, batch.room(max_length, target.max_positions))
-    tokens = proposal[:lookup.choose(proposal, *policy.lookup_costs())]
-    if tokens:
-        policy.lookup_step(len(tokens), lookup.acceptance.estimates())
-    return tokens
+    return proposal[:lookup.choose(proposal, *policy.lookup_costs())] if proposal else []
 
 
 @contextlib.contextmanager

@@ -84,11 +84,13 @@ class PlainSteps:
         table, serial = self.times(), self.serial_times()
         return self.verify_seconds(0, table), lambda m: self.serial_verify_seconds(m, table, serial)
 
-    def lookup_step(self, tokens: int, acceptance: list[float]) -> None:
-        """This plain step verifies `tokens` proposal tokens beside its own: recorded in its decision (the round's
-        forward is then timed as a verification of that many tokens, `observe_round`)."""
-        if tokens and self.trace:
-            self.trace[-1].update(lookup=tokens, lookup_acceptance=[round(a, 3) for a in acceptance[:tokens]])
+    def lookup_step(self, tokens: int, accepted: int, acceptance: list[float]) -> None:
+        """This plain step verified `tokens` proposal tokens beside its own, at the measured `acceptance` per
+        position, and accepted `accepted`: recorded in its decision (the step's tokens; its forward is then timed as
+        a verification of that many tokens, `observe_round`)."""
+        if self.trace:
+            self.trace[-1].update(lookup=tokens, lookup_acceptance=[round(a, 3) for a in acceptance[:tokens]],
+                                  tokens=1.0 + accepted)
 
     def _probe_cost(self) -> float:
         """What a probe adds to its round, as a fraction of a plain step (`Probing` spaces probes by it): what rounds
