@@ -107,8 +107,8 @@ class SSDMetrics:
     `prompt_lookup_rounds` counts the plain steps that verified the context's own continuation beside their token
     (`SSDConfig.prompt_lookup`; the decisions record how many tokens, `lookup`, and their measured acceptance,
     `lookup_acceptance`), `prompt_lookup_tokens` the tokens they verified, `prompt_lookup_accepted` those accepted.
-    They are no draft tokens: the draft's acceptance leaves them out; `tokens_per_round_by_source["lookup"]` is what
-    those steps emitted per step.
+    They are no draft tokens: the draft's acceptance and `mean_accepted_length` count such a step as a round that
+    verified none; `tokens_per_round_by_source["lookup"]` is what those steps emitted per step.
     """
 
     rounds: int = 0
@@ -239,9 +239,10 @@ class MetricsRecorder:
         per_source = self.by_source.setdefault(source, [0, 0])
         per_source[0] += accepted + 1
         per_source[1] += 1
-        self.emitted_total += accepted + 1
-        if source == LOOKUP:  # no draft tokens
+        if source == LOOKUP:  # no draft token: a round that verified none (mean_accepted_length's identity holds)
+            self.emitted_total += 1
             return
+        self.emitted_total += accepted + 1
         self.accepted_total += accepted
         self.verified_total += verified
         self.drafts += int(verified > 0)
