@@ -50,9 +50,15 @@ def backup_speculation(
         return tokens, None
     probs = torch.full((lookahead, vocab_size), 1.0 / vocab_size, device=device)
     if found:
-        probs[: len(found)] = 0.0
-        probs[torch.arange(len(found), device=device), tokens[: len(found)]] = 1.0
+        probs[: len(found)] = certain_probs(tokens[: len(found)], vocab_size)
     return tokens, probs
+
+
+def certain_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q [len, V] of tokens proposed with certainty (n-gram lookup): one-hot at each token."""
+    probs = torch.zeros(tokens.shape[0], vocab_size, device=tokens.device)
+    probs[torch.arange(tokens.shape[0], device=tokens.device), tokens] = 1.0
+    return probs
 
 
 FAST_BACKUP = "ngram"  # the fast backup "auto" switches to: free to compute, and better than random tokens

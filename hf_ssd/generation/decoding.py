@@ -184,7 +184,7 @@ def _lookup(lookup, policy, batch, target, max_length) -> list[int]:
     different lengths)."""
     if not lookup.enabled or len(batch.active) != 1:
         return []
-    proposal = lookup.propose(batch.active[0].ids, batch.room(max_length, target.max_positions))
+    proposal = lookup.propose(lookup.context(batch.active[0]), batch.room(max_length, target.max_positions))
     return proposal[:lookup.choose(proposal, *policy.lookup_costs())] if proposal else []
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..cache.speculation_cache import LOOKUP, Speculation
-from .backup import ngram_lookup
+from .backup import certain_probs, ngram_lookup
 from .estimates import AcceptanceTracker, expected_tokens
 
 NGRAM_MIN = 2  # with 1-grams too, proposals were right at 17-95 % (qa 0.25, alpaca 0.25); 2-3-grams: 33-97 %
@@ -60,12 +60,20 @@ class PromptLookup:
         self.acceptance = AcceptanceTracker(MAX_TOKENS, PRIOR)
         self.passed_over = 0
         self.rounds = self.verified = self.accepted = 0
+        self._prompts: dict[int, list[int]] = {}  # row index -> its prompt on the host (`context`)
 
     @property
     def enabled(self) -> bool:
         return self.mode != "never" and self.ngram_max >= NGRAM_MIN
 
-    def propose(self, ids: torch.Tensor, room: int) -> list[int]:
+    def context(self, row) -> list[int]:
+        """The row's committed tokens on the host: its prompt read back from the device once per call, then what it
+        generated (`Row.generated`, kept on the host by emit). A plain step looks up without reading the device."""
+        if row.index not in self._prompts:
+            self._prompts[row.index] = row.ids[: row.ids.shape[0] - len(row.generated)].tolist()
+        return self._prompts[row.index] + row.generated
+
+    def propose(self, ids: torch.Tensor | list[int], room: int) -> list[int]:
         """The continuation of the committed tokens `ids` [T], at most `room` and `MAX_TOKENS` tokens (none found:
         [])."""
         count = min(room, MAX_TOKENS)
@@ -93,11 +101,7 @@ class PromptLookup:
         """The proposal's tokens as a speculation to verify: q one-hot when sampling (they are certain), None
         under greedy decoding."""
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
-        probs = None
-        if self.do_sample:
-            probs = torch.zeros(len(tokens), self.vocab_size, device=device)
-            probs[torch.arange(len(tokens), device=device), ids] = 1.0
-        return Speculation(ids, probs, LOOKUP)
+        return Speculation(ids, certain_probs(ids, self.vocab_size) if self.do_sample else None, LOOKUP)
 
     def observe(self, verified: int, accepted: int) -> None:
         """A plain step verified `verified` proposal tokens and accepted the first `accepted`."""

@@ -27,8 +27,8 @@ import torch
 
 from .confidence import EDGES
 from .modes import SERIAL
+from .verification import FIRST_WON, NEITHER, RUNNER_UP_WON
 
-FIRST_WON, RUNNER_UP_WON, NEITHER = 0, 1, -1
 DECAY = 0.98  # per round that brings a sample, as the confidence calibration's
 PRIOR_WEIGHT = 2.0  # samples' worth of the pooled rate each bin is shrunk to
 

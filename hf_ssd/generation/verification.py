@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+FIRST_WON, RUNNER_UP_WON, NEITHER = 0, 1, -1  # `sibling_sampling_verify`'s (and `runner_up.sibling_winner`'s) verdicts
+
 
 def greedy_verify(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest prefix that matches the target's argmax; the bonus is the argmax after it."""
@@ -84,15 +86,16 @@ def sibling_sampling_verify(first: int, runner_up: int, q: torch.Tensor, p: torc
     proposal that is certain (q = one-hot) against the residual r = normalize(max(p_0 - q, 0)), accepted with
     probability r(runner_up); else the token is drawn from r without `runner_up`. Each stage draws exactly from
     what remains of p_0, so the token after t follows p_0 and the bonus after the accepted one follows its row of p.
-    Returns (which was accepted: 0 `first`, 1 `runner_up`, -1 neither, then the token drawn after t), bonus)."""
+    Returns (which was accepted: `FIRST_WON`, `RUNNER_UP_WON`, or `NEITHER` and then the token drawn after t),
+    bonus)."""
     p = p.float()
     q = q.float().to(p.device)
     u = torch.rand(2, generator=generator, device=p.device)
     if bool(u[0] * q[first] < p[0, first]):
-        return 0, int(torch.multinomial(p[1], 1, generator=generator))
+        return FIRST_WON, int(torch.multinomial(p[1], 1, generator=generator))
     residual = residual_distribution(p[0], q)
     if bool(u[1] < residual[runner_up]):
-        return 1, int(torch.multinomial(p[2], 1, generator=generator))
+        return RUNNER_UP_WON, int(torch.multinomial(p[2], 1, generator=generator))
     certain = torch.zeros_like(residual)
     certain[runner_up] = 1.0
-    return -1, int(torch.multinomial(residual_distribution(residual, certain), 1, generator=generator))
+    return NEITHER, int(torch.multinomial(residual_distribution(residual, certain), 1, generator=generator))
