@@ -351,7 +351,9 @@ def test_repeated_calls_are_independent(pair):
     target, random_draft = pair
     ids = prompt(seed=6)
     expected = greedy(target, ids, 17)
-    config = SSDConfig(lookahead=2, backup="draft")  # "auto" decides from measured latencies, which vary
+    # "auto" decides from measured latencies, which vary; so would a plain step's prompt lookup, which emits several
+    # tokens in a round where timing made the policy take plain stretches
+    config = SSDConfig(lookahead=2, backup="draft", prompt_lookup="never")
     first = greedy(target, ids, 17, assistant_model=random_draft, ssd_config=config)
     metrics = target.ssd_metrics
     second = greedy(target, ids, 17, assistant_model=random_draft, ssd_config=config)
