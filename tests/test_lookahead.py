@@ -232,6 +232,61 @@ def test_serial_rounds_where_the_target_scales_with_cores(clock):
     assert all(mode != "serial" for _, mode in rounds)  # a draft on its own device: never serial
 
 
+def test_the_probed_gain_prices_the_concurrent_mode_before_it_is_timed(clock):
+    """Nothing timed beside the draft yet, the serial verifications known: a concurrent K costs the serial one below
+    it times the gain of every core over the target's own (as probed before the first round, within [1,
+    `every_core`]), a plain step the cheapest serial verification; the policy decides from them, not from the prior
+    shape. Without a probe the gain is 1 (a bound: the concurrent mode looks as cheap as the serial one)."""
+    def policy(probed):
+        p = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE,
+                            serial=True, every_core=2.0, probed_gain=probed)
+        for k, seconds in {1: 0.30, 2: 0.33}.items():
+            p.serial_verify[k] = DecayedMean(0.5)
+            p.serial_verify[k].add(seconds)
+        return p
+
+    probed = policy(1.9)
+    assert policy(3.0).probed_gain == 2.0 and policy(0.7).probed_gain == 1.0  # within [1, every_core]
+    table, serial = probed.times(), probed.serial_times()
+    assert table == {} and probed.verify_seconds(0, table) == pytest.approx(0.30)
+    assert probed.round_seconds(0, table, serial) == pytest.approx(0.30)
+    assert probed.round_seconds(1, table, serial) == pytest.approx(1.9 * 0.30)
+    assert probed.round_seconds(4, table, serial) == pytest.approx(1.9 * 0.33)
+    assert probed.core_gain() == pytest.approx(1.9)
+    assert policy(None).round_seconds(4, table, serial) == pytest.approx(0.33) and policy(None).core_gain() == 2.0
+    probed.choose(4)
+    probed.observe_round(1.0, DraftTimings(), 0, 0)  # the first round (the prefill)
+    probed.choose(4)
+    assert probed.trace[-1]["why"] != "prior shape" and probed.trace[-1]["mode"] == "serial"
+
+
+def test_a_later_call_does_not_try_the_concurrent_mode_again_where_the_probe_prices_it_out(clock):
+    """A 2-core Xeon (the target 1.8x faster on both cores, the gain probed at 1.9): the first call may try a
+    verification beside the draft once; a later call, whose serial costs are remembered (the concurrent K = 4 timed
+    once is not: a single timing may be a one-off), does not try it again. Before the probe, the second call fell
+    back to the prior shape and tried it again (measured: a plain step beside the draft in 590 ms and a K = 4 in
+    1082, where a serial K = 4 takes 607); unpriced (a gain of 1), it looks as cheap as the serial one."""
+    costs = dict(concurrent_ms=lambda k: 590.0 if k <= 2 else 1080.0, serial_ms=lambda k: 330.0 if k <= 2 else 600.0,
+                 plain_ms=300.0, draft_ms=560.0, jit_ms=55.0, clock=clock, acceptance=0.7)
+
+    def second_call(probed):
+        memory = estimates_module.LookaheadMemory()  # what the first call left: serial K = 1..4 timed twice or
+        for k, seconds in {1: 0.33, 2: 0.33, 3: 0.60, 4: 0.60}.items():  # more, K = 4 beside the draft once
+            for _ in range(estimates_module.REMEMBER_AFTER):
+                memory.record(estimates_module.memory_key(("process", 1), 1, serial=True), k, seconds)
+        memory.record(estimates_module.memory_key(("process", 1), 1), 4, 1.08)
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE,
+                                 memory=memory, setting=("process", 1), draft_key=3, serial=True, every_core=2.0,
+                                 probed_gain=probed)
+        return _drive_modes(policy, 12, **costs), [entry["why"] for entry in policy.trace]
+
+    second, whys = second_call(1.9)
+    assert all(mode != "concurrent" for _, mode in second[1:]) and "prior shape" not in whys
+    assert second[-4:] == [(2, "serial")] * 4
+    unpriced, whys = second_call(None)
+    assert any(mode == "concurrent" for _, mode in unpriced[1:])  # the control: at a gain of 1, tried again
+
+
 def test_serial_drafting_costs_a_fixed_part_and_a_step_per_token(clock):
     """A serial speculation's drafting: the forward that feeds the committed tokens brings its first token, each
     further one costs a step. The two are measured apart (a per-token average over short speculations carries the

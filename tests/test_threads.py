@@ -137,3 +137,46 @@ def test_a_worker_process_is_started_only_for_drafts_with_short_steps():
                                         serial_steps=4, serial_step_seconds=4 * long))
     assert worker_pays(DraftTimings(prepare_calls=5, prepare_seconds=5 * 2 * long, fastest_prepare=2 * long,
                                     serial_steps=4, serial_step_seconds=4 * short))
+
+
+def test_thread_gain_is_probed_once_per_model_on_one_middle_block(monkeypatch):
+    """What more threads gain the target, known before the first round: measured on the linear layers of one middle
+    block (the output embedding left out), once per model and thread counts; 1 where no more threads are given, None
+    where the model has no linear layer or the probe fails."""
+    from conftest import tiny_model
+
+    from hf_ssd.runtime import threads as threads_module
+
+    model = tiny_model("llama", layers=4)
+    layers = threads_module._probe_layers(model)
+    middle = model.model.layers[2]
+    assert layers and all(any(layer is m for m in middle.modules()) for layer in layers)
+    assert model.get_output_embeddings() not in layers
+    calls = []
+    real = threads_module._probe_gain
+    monkeypatch.setattr(threads_module, "_probe_gain", lambda *a: calls.append(a) or real(*a))
+    state = torch.random.get_rng_state()
+    gain = threads_module.thread_gain(model, 1, 2)
+    assert gain is not None and gain > 0
+    assert torch.equal(torch.random.get_rng_state(), state)  # a seeded generate() samples as it would without it
+    assert threads_module.thread_gain(model, 1, 2) == gain and len(calls) == 1  # probed once
+    threads_module.thread_gain(model, 1, 2, rows=5)
+    assert len(calls) == 2  # another shape: probed again
+    assert threads_module.thread_gain(model, 2, 2) == 1.0 and len(calls) == 2
+    assert threads_module.thread_gain(torch.nn.Sequential(torch.nn.ReLU()), 1, 2) is None
+
+
+def test_thread_gain_restores_the_thread_count_and_survives_a_failing_layer():
+    from hf_ssd.runtime.threads import thread_gain
+
+    class Odd(torch.nn.Module):  # looks linear, wants other inputs
+        in_features, out_features = 4, 4
+
+        def forward(self, x, other):
+            return x
+
+    with torch_threads(3):
+        assert thread_gain(torch.nn.Sequential(Odd()), 1, 2) is None
+        assert torch.get_num_threads() == 3
+        assert thread_gain(torch.nn.Sequential(torch.nn.Linear(8, 8)), 1, 2) > 0
+        assert torch.get_num_threads() == 3

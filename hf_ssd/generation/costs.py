@@ -124,8 +124,12 @@ class RoundCosts:
         divided by `core_gain`, what a step on every core gains over one beside the draft; or serial: like a plain
         step, on every core) scaled by the prior shape."""
         measured = self.times() if measured is None else measured
-        if not measured:
-            return None
+        if not measured:  # nothing timed beside the draft (as where the probed gain priced that mode out)
+            serial = self.serial_times() if k == 0 else {}
+            # a plain step from the serial verifications alone: as dear as the cheapest (1 to 3 positions cost one
+            # price with AVX-512; the prior shape's jump guessed 170 ms beside 356 ms serial rounds, and calls then
+            # started with plain steps)
+            return min(serial.values()) if serial else None
         if k in measured:
             return measured[k]
         if k == 0:  # a serial verification runs on every core with the draft idle, as a plain step does; one beside
@@ -149,13 +153,16 @@ class RoundCosts:
         """How many times faster the target verifies on every core, the draft idle (a serial round's verification),
         than on its own cores beside the working draft (a concurrent one): the median ratio over the (rows, K >= 1)
         timed both ways, this call's own where it has any, else earlier calls' (`LookaheadMemory`), within [1,
-        `every_core`]; `every_core`, the bound (cores in proportion), until then. What a plain step, on every core,
-        is guessed at before it is timed (`verify_seconds`): on a 2-core EPYC with MKL's kernels the second core
-        gains the target nothing (a serial K = 4 in 692 ms, a concurrent one in 733), and the bound, 2x, guessed a
-        2-row plain step at 327 ms that took 684: two rounds of a 48-token batch spent on plain steps and a serial
-        K = 1 tried beside concurrent K = 4 rounds that brought five tokens a row."""
+        `every_core`]; until then the gain probed on the target's own layers before the first round
+        (`probed_gain`, `runtime.threads.thread_gain`), else `every_core`, the bound (cores in proportion). What a
+        plain step, on every core, is guessed at before it is timed (`verify_seconds`): on a 2-core EPYC with MKL's
+        kernels the second core gains the target nothing (a serial K = 4 in 692 ms, a concurrent one in 733), and
+        the bound, 2x, guessed a 2-row plain step at 327 ms that took 684: two rounds of a 48-token batch spent on
+        plain steps and a serial K = 1 tried beside concurrent K = 4 rounds that brought five tokens a row."""
         measured = self.measured_core_gain()
-        return self.every_core if measured is None else measured
+        if measured is not None:
+            return measured
+        return self.every_core if self.probed_gain is None else self.probed_gain
 
     def measured_core_gain(self) -> float | None:
         """`core_gain` as measured (this call's timings, else earlier calls'); None before any K was timed both
@@ -219,14 +226,19 @@ class RoundCosts:
         """R(k): the verification, beside (or after) the draft's round, the loop's overhead and the expected backup
         time of a miss; a plain step has neither draft work nor lookups (the draft pauses when plain steps win).
         An unmeasured verification beside the draft costs at least the same one measured with the draft idle on
-        every core (`serial`, `concurrent_floor`)."""
+        every core (`serial`, `concurrent_floor`) times the gain of every core over the target's own: as measured, else
+        as probed (`probed_gain`). With none beside the draft timed yet, that is its guess: the serial ones, timed in
+        earlier calls, price the concurrent mode before it is tried. Unpriced (the gain unknown), a second call on a
+        2-core Xeon fell back to the prior shape and tried the concurrent mode again, a plain step beside the draft in
+        590 ms and a K = 4 in 1082 ms (a serial K = 4 takes 607), where the first call had timed it at 1088 ms."""
         measured = self.times() if measured is None else measured
         verify = self.verify_seconds(k, measured)
+        floor = self.concurrent_floor(k, measured, serial)
+        if floor is not None:  # the gain the cores were measured to bring, else probed (`probed_gain`), else 1
+            floor *= self.measured_core_gain() or self.probed_gain or 1.0
+            verify = floor if verify is None else max(verify, floor)  # (none beside the draft timed yet: the floor)
         if verify is None:
             return None
-        floor = self.concurrent_floor(k, measured, serial)
-        if floor is not None:  # the gain the cores were measured to bring, where known (1 until then: a bound)
-            verify = max(verify, floor * (self.measured_core_gain() or 1.0))
         if k == 0:
             return verify + max(self.overhead.value or 0.0, 0.0)
         draft = self.draft_seconds()

@@ -20,7 +20,7 @@ import torch
 from ..compat import pad_token_tensor
 from ..config import SSDConfig
 from ..metrics import MetricsRecorder
-from ..runtime import DraftRequest, choose_executor, open_executor, split_threads
+from ..runtime import DraftRequest, choose_executor, open_executor, split_threads, thread_gain
 from .backup import AutoBackup
 from .budget import FanoutBudget
 from .candidate_generator import sampling_warpers
@@ -62,16 +62,21 @@ def ssd_decoding(
     target_threads = request.target_threads if kind != "sync" else torch.get_num_threads()
     # serial rounds (the draft sits a verification out, then drafts on every core) only pay where the two share cores
     shared_cores = input_ids.device.type == "cpu" and assistant_model.device.type == "cpu"
-    policy = LookaheadPolicy(config.lookahead, config.lookahead_schedule == "adaptive", config.acceptance_prior,
+    every_core = _every_core(request) if shared_cores and kind != "sync" else 1.0
+    adaptive = config.lookahead_schedule == "adaptive"
+    # what the target gains on every core over its own (the draft sitting a verification out): probed once per target
+    # before the first round, so that the concurrent mode is priced before it is tried
+    probed = thread_gain(model, request.target_threads, request.draft_threads + request.target_threads) if (
+        adaptive and every_core > 1) else None
+    policy = LookaheadPolicy(config.lookahead, adaptive, config.acceptance_prior,
                              concurrent=kind != "sync", cost_shape=prior_cost_shape(model),
                              memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
                              draft_key=id(assistant_model), serial=shared_cores,
                              fanout=FanoutBudget(config.branches, _budget_adaptive(config), config.power_law_prior,
                                                  concurrent=kind != "sync"),
                              confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead,
-                             every_core=_every_core(request) if shared_cores and kind != "sync" else 1.0,
-                             prefill_positions=input_ids.numel(),
-                             runner_up=config.runner_up)
+                             every_core=every_core, prefill_positions=input_ids.numel(),
+                             runner_up=config.runner_up, probed_gain=probed)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()

@@ -75,12 +75,16 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
                  cost_shape: tuple[float, ...] = CPU_SHAPE, memory: LookaheadMemory | None = None,
                  setting: tuple = (), draft_key: int | None = None, serial: bool = False,
                  fanout: FanoutBudget | None = None, confidence: bool = False, serial_lookahead: int = 0,
-                 every_core: float = 1.0, prefill_positions: int = 0, runner_up: str = "auto"):
+                 every_core: float = 1.0, prefill_positions: int = 0, runner_up: str = "auto",
+                 probed_gain: float | None = None):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
         # how many times the cores of a step on every core (a plain step, a serial round) over the target's beside the
         # working draft: the most a step gains by the draft sitting out, for guessing an unmeasured one (b = 2 on
         # 2 cores: a serial K = 2 guessed at 800 ms from the one-thread verifications, measured 511, and not tried)
         self.every_core = max(every_core, 1.0)
+        # ... as probed on the target's layers before the first round (`runtime.threads.thread_gain`), within [1,
+        # `every_core`]: what the concurrent mode is priced at until a verification beside the draft is timed
+        self.probed_gain = None if probed_gain is None else min(max(probed_gain, 1.0), self.every_core)
         self.fanout = fanout or FanoutBudget(1, adaptive=False, power=1.0, concurrent=concurrent)  # see `budget`
         self.serial_option = serial and concurrent and adaptive  # see `SERIAL` in the module docstring
         self.memory, self.setting, self.draft_key = memory, setting, draft_key

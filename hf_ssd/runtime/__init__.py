@@ -13,7 +13,7 @@ from .executor import (
     choose_executor,
     open_executor,
 )
-from .threads import available_cores, split_threads
+from .threads import available_cores, split_threads, thread_gain
 
 __all__ = [
     "DraftCancelled",
@@ -25,6 +25,7 @@ __all__ = [
     "close_workers",
     "open_executor",
     "split_threads",
+    "thread_gain",
     "start_draft_worker",
 ]
 
