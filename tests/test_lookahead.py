@@ -254,6 +254,11 @@ def test_the_probed_gain_prices_the_concurrent_mode_before_it_is_timed(clock):
     assert probed.round_seconds(4, table, serial) == pytest.approx(1.9 * 0.33)
     assert probed.core_gain() == pytest.approx(1.9)
     assert policy(None).round_seconds(4, table, serial) == pytest.approx(0.33) and policy(None).core_gain() == 2.0
+    deep = policy(1.9)  # only a serial K = 4 known: K = 1 guessed down in proportion to positions, not floored at
+    deep.serial_verify.clear()  # the plain step guessed from that very verification
+    deep.serial_verify[4] = DecayedMean(0.5)
+    deep.serial_verify[4].add(0.60)
+    assert deep.serial_verify_seconds(1, {}, deep.serial_times()) == pytest.approx(0.60 * 2 / 5)
     probed.choose(4)
     probed.observe_round(1.0, DraftTimings(), 0, 0)  # the first round (the prefill)
     probed.choose(4)

@@ -55,7 +55,9 @@ class RoundCosts:
         call tried it)."""
         if k in serial:
             return serial[k]
-        plain = self._plain_floor(table)
+        # (with nothing timed beside the draft the plain step is guessed from these very verifications, as dear as
+        # the cheapest: no floor of theirs)
+        plain = self._plain_floor(table) if table else None
         if serial:
             guess = self.verify_seconds(k, serial)
             return guess if guess is None or plain is None else max(guess, plain)
