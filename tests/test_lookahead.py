@@ -265,6 +265,30 @@ def test_the_probed_gain_prices_the_concurrent_mode_before_it_is_timed(clock):
     assert probed.trace[-1]["why"] != "prior shape" and probed.trace[-1]["mode"] == "serial"
 
 
+def test_the_first_call_makes_its_prior_shape_round_serially_where_the_probe_says_so(clock):
+    """Nothing timed yet (the first round held the prefill): the prior shape's round is made serially where the
+    verification on the target's own cores costs more, at the probed gain, than the draft's tokens after one on every
+    core (their cost relative to the target's from the two prefills), and its speculation is drafted K_max deep at
+    most (past K_max only the prior shape would price its verification); concurrently where the gain is small (a
+    2-core EPYC: the second core gains the target 6 %) or unprobed."""
+    def second_round(probed):
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE,
+                                 serial=True, every_core=2.0, probed_gain=probed, confidence=True, serial_lookahead=16)
+        policy.began(0.25)  # the draft's prefill and first speculation
+        policy.choose(4)
+        policy.depth(4)
+        policy.observe_round(0.86, DraftTimings(), 0, 0)  # the target's prefill
+        k = policy.choose(16)
+        policy.depth(k)
+        return k, policy.trace[-1], policy.serial
+
+    k, entry, serial = second_round(1.9)
+    assert entry["why"] == "prior shape" and entry["mode"] == "serial" and k == 4 and 0 < serial <= 4
+    for probed in (1.06, None):
+        k, entry, serial = second_round(probed)
+        assert entry["why"] == "prior shape" and entry["mode"] == "concurrent" and serial == 0
+
+
 def test_a_later_call_does_not_try_the_concurrent_mode_again_where_the_probe_prices_it_out(clock):
     """A 2-core Xeon (the target 1.8x faster on both cores, the gain probed at 1.9): the first call may try a
     verification beside the draft once; a later call, whose serial costs are remembered (the concurrent K = 4 timed

@@ -148,6 +148,7 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         # compute-bound and long, it is made on every core, the draft sitting it out (`_prefill_alone`)
         self.prefill_positions = prefill_positions
         self.first_seconds = 0.0  # what the draft's prefill and first speculations took (`began`)
+        self.first_forward = 0.0  # what the target's first forward (its prefill) took (`observe_round`)
         # the draft's runner-up for a first token, verified beside it where that pays (`runner_up.py`): how often it
         # is the target's choice, per target and draft across calls
         self.runner_up_mode = runner_up
@@ -203,8 +204,11 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         elif self.trace and self.trace[-1]["why"] == "trial":
             depth = self._drafted_after(self.k_max)  # probing's counters stay: a trial that fails goes back to them
         elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
-            # (with its confidence known, as deep as it stays worth it: `stop_rule`)
+            # (with its confidence known, as deep as it stays worth it: `stop_rule`; K_max at most while no
+            # verification is timed, as past K_max only the prior shape would price it)
             depth, self.serial = 0, self.serial_depth if self.calibration is not None else self._wanted
+            if self.trace and self.trace[-1]["why"] == "prior shape":
+                self.serial = min(self.serial, self.k_max)
             self.probing.speculating()
         elif k > 0 or not self.adaptive or self._wanted > 0:
             depth = self.k_max
@@ -272,6 +276,8 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
             self._wanted = _best(speeds)
             choice = _best({k: v for k, v in speeds.items() if k <= limit})
             self._mode = CONCURRENT if self._wanted else PLAIN
+            if self._wanted and self._serial_at_prior(self._wanted):
+                self._mode = SERIAL
             self._record(choice, speeds, "prior shape")
             return choice
         serial_speeds = self._serial_speeds(acceptance, table, serial_table)
@@ -359,6 +365,17 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
             return choice
         self._record(best, speeds, why, serial_speeds)
         return best
+
+    def _serial_at_prior(self, k: int) -> bool:
+        """Whether, with no verification timed in this call, a serial round of k tokens is the cheaper way to make
+        the next speculation: the verification on every core then k tokens drafted, each at the draft's cost relative
+        to the target's (their prefills' times: `first_seconds` over `first_forward`), against a concurrent round,
+        whose verification on the target's own cores costs the probed gain (`probed_gain`) times the prior shape's.
+        On a 2-core Xeon (Qwen2.5-Coder 1.5B fp32, 0.5B int8, gain probed at 1.9) the concurrent K = 4 this round
+        took before cost 0.93-1.17 s, a serial K = 4 ~0.53 s and its four tokens ~0.18. Unprobed: concurrent."""
+        if not self.serial_option or self.probed_gain is None or self.first_forward <= 0 or self.first_seconds <= 0:
+            return False
+        return self.shape(k) + k * self.first_seconds / self.first_forward < self.shape(k) * self.core_gain()
 
     def _serial_speeds(self, acceptance: list[float], table: dict[int, float], serial_table: dict[int, float]
                        ) -> dict[int, float]:

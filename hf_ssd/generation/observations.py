@@ -90,6 +90,7 @@ class RoundObservations:
         timings = self._timings if timings is None else timings
         previous, self._timings = self._timings, timings
         if first:  # the first verification holds the target's prefill
+            self.first_forward = forward_seconds
             return
         paused = self.trace[-1].get("depth", self.k_max) == 0 if self.trace else False
         serial = paused and k > 0  # verified on every core while the draft sat it out
