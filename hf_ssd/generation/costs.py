@@ -161,10 +161,13 @@ class RoundCosts:
         kernels the second core gains the target nothing (a serial K = 4 in 692 ms, a concurrent one in 733), and
         the bound, 2x, guessed a 2-row plain step at 327 ms that took 684: two rounds of a 48-token batch spent on
         plain steps and a serial K = 1 tried beside concurrent K = 4 rounds that brought five tokens a row."""
+        known = self.known_core_gain()
+        return self.every_core if known is None else known
+
+    def known_core_gain(self) -> float | None:
+        """`core_gain` as measured, else as probed; None where neither is known (the bound is not knowledge)."""
         measured = self.measured_core_gain()
-        if measured is not None:
-            return measured
-        return self.every_core if self.probed_gain is None else self.probed_gain
+        return self.probed_gain if measured is None else measured
 
     def measured_core_gain(self) -> float | None:
         """`core_gain` as measured (this call's timings, else earlier calls'); None before any K was timed both
@@ -236,8 +239,8 @@ class RoundCosts:
         measured = self.times() if measured is None else measured
         verify = self.verify_seconds(k, measured)
         floor = self.concurrent_floor(k, measured, serial)
-        if floor is not None:  # the gain the cores were measured to bring, else probed (`probed_gain`), else 1
-            floor *= self.measured_core_gain() or self.probed_gain or 1.0
+        if floor is not None:  # the gain the cores were measured (else probed) to bring; 1 where neither is known
+            floor *= self.known_core_gain() or 1.0
             verify = floor if verify is None else max(verify, floor)  # (none beside the draft timed yet: the floor)
         if verify is None:
             return None
