@@ -265,6 +265,67 @@ def test_the_probed_gain_prices_the_concurrent_mode_before_it_is_timed(clock):
     assert probed.trace[-1]["why"] != "prior shape" and probed.trace[-1]["mode"] == "serial"
 
 
+# A forward's cost per count of positions relative to one, as probed on a 2-core Xeon with MKL's fp32 kernels
+# (`runtime.layer_probe.cost_curve` on Qwen2.5-Coder 1.5B: 1-3 positions one price, 4-6 twice it, then slowly)
+XEON_CURVE = {1: 1.0, 2: 1.0, 3: 1.05, 4: 2.0, 5: 2.05, 8: 2.6, 12: 3.3, 17: 3.3}
+
+
+def test_a_probed_cost_curve_prices_what_is_not_timed(clock):
+    """With the curve probed on the target's layers, an unmeasured K costs the nearest measured one times the probed
+    rise (capped by a measured K above it), past K_max and below the smallest measured alike; the optimistic guesses
+    (the lower neighbour's cost, in proportion to positions) and the prior shape stand only without a probe. A
+    concurrent K with nothing beside the draft timed is priced from the serial ones along the probed rise too (a
+    serial K = 2 at 268 ms priced a concurrent K = 4 at 1.9 x 268 ms; it took 892 where a serial K = 4 took 475)."""
+    probed = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE,
+                             probed_curve=XEON_CURVE)
+    prior = probed.prior_positions_cost
+    assert probed.positions_cost(1) == 1.0 and probed.positions_cost(4) == 2.0
+    assert probed.positions_cost(6) == pytest.approx(2.05 + (2.6 - 2.05) / 3)  # between two probed counts
+    assert probed.positions_cost(20) == pytest.approx(3.3 * prior(20) / prior(17))  # past them: the prior's rise
+    _measured(probed, {2: 0.26})
+    assert probed.verify_seconds(3) == pytest.approx(0.26 * 2.0 / 1.05)  # the step to 4 positions, not 0.26
+    assert probed.verify_seconds(1) == pytest.approx(0.26 * 1.0 / 1.05)
+    assert probed.verify_seconds(7) == pytest.approx(0.26 * 2.6 / 1.05)  # a deep serial speculation's
+    assert probed.verify_seconds(0) == pytest.approx(0.26 / 1.05)
+    _measured(probed, {4: 0.45})
+    assert probed.verify_seconds(3) == pytest.approx(0.45)  # never above a measured deeper K
+    control = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.7, concurrent=True, cost_shape=CPU_SHAPE)
+    _measured(control, {2: 0.26})
+    assert control.verify_seconds(3) == pytest.approx(0.26) and control.positions_cost(4) == prior(4)
+
+    def beside(curve):
+        p = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE,
+                            serial=True, every_core=2.0, probed_gain=1.9, probed_curve=curve)
+        p.serial_verify[2] = DecayedMean(0.5)
+        p.serial_verify[2].add(0.268)
+        return p.round_seconds(4, {}, p.serial_times())
+
+    assert beside(XEON_CURVE) == pytest.approx(1.9 * 0.268 * 2.05 / 1.05)
+    assert beside(None) == pytest.approx(1.9 * 0.268)
+
+
+def test_a_probed_step_of_the_cost_curve_is_not_explored(clock):
+    """The 2-core Xeon of `test_serial_rounds_where_the_target_scales_with_cores`, its curve probed: the prior-shape
+    round verifies two tokens, not K_max, and no round after the first (the prefill's, K_max by design) verifies the
+    three or four that cost twice as much (measured in a cold call before the probe: a prior-shape K = 4 at 504-565
+    ms and an explored K = 3 at 469-476, where K = 2 took 260-270). Without the probe both are tried."""
+    def rounds(curve):
+        policy = LookaheadPolicy(4, adaptive=True, acceptance_prior=0.8, concurrent=True, cost_shape=CPU_SHAPE,
+                                 serial=True, every_core=2.0, probed_gain=1.9, probed_curve=curve)
+        policy.began(0.25)
+        out = _drive_modes(policy, 20, concurrent_ms=lambda k: 441.0 if k <= 2 else 850.0,
+                           serial_ms=lambda k: 270.0 if k <= 2 else 480.0, plain_ms=245.0, draft_ms=270.0,
+                           jit_ms=55.0, clock=clock)
+        return out, policy.trace
+
+    probed, trace = rounds(XEON_CURVE)
+    assert trace[1]["why"] == "prior shape" and probed[1][0] == 2
+    assert all(k <= 2 for k, _ in probed[1:]) and probed[-5:] == [(2, "serial")] * 5
+    assert trace[0]["probed_cost_curve"] == XEON_CURVE
+    unprobed, _ = rounds(None)
+    assert any(k >= 3 for k, _ in unprobed[1:])  # the control: the step is found by trying it
+
+
 def test_the_first_call_makes_its_prior_shape_round_serially_where_the_probe_says_so(clock):
     """Nothing timed yet (the first round held the prefill): the prior shape's round is made serially where the
     verification on the target's own cores costs more, at the probed gain, than the draft's tokens after one on every

@@ -143,6 +143,9 @@ def test_the_policy_verifies_a_runner_up_where_its_rate_pays_for_the_position():
     assert not policy.take_runner_up(2, 0, lambda: True, hand)  # only beside one verified token
     assert not policy.take_runner_up(1, 3, lambda: True, hand)  # not where the draft prepares beside the verification
     assert not policy.take_runner_up(1, 0, lambda: False, hand)  # not where the target cannot take it
+    policy._exploring = True  # not in a round that times K = 1: its forward would be timed as K = 2's
+    assert not policy.take_runner_up(1, 0, lambda: True, hand)
+    policy._exploring = False
     policy.runner_up_mode = "never"
     assert not policy.take_runner_up(1, 0, lambda: True, hand) and policy.runner_up_table() == ()
     for _ in range(60):

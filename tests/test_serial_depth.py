@@ -14,6 +14,7 @@ from test_sampling_law import ALPHA, REJECT, SAMPLES, TEMPERATURE, exact_law, la
 
 from hf_ssd import SSDConfig
 from hf_ssd.ema import DecayedMean
+from hf_ssd.generation import lookahead as lookahead_module
 from hf_ssd.generation.costs import FLAT_SHAPE
 from hf_ssd.generation.lookahead import LookaheadPolicy
 from hf_ssd.generation.modes import PLAIN, SERIAL
@@ -28,10 +29,13 @@ def test_config_bounds_serial_depth():
         SSDConfig(max_serial_lookahead=0)
 
 
-def _serial_policy(**kwargs) -> LookaheadPolicy:
-    """A policy whose costs are measured: serial rounds pay (a flat verification curve, a cheap draft)."""
+def _serial_policy(deep_known: bool = True, **kwargs) -> LookaheadPolicy:
+    """A policy whose costs are measured: serial rounds pay (a flat verification curve, a cheap draft); the pair's
+    calibration counted as holding `DEEP_AFTER` samples of later tokens (`deep_known`) unless told otherwise."""
     policy = LookaheadPolicy(3, True, 0.9, concurrent=True, cost_shape=FLAT_SHAPE, serial=True, confidence=True,
                              **kwargs)
+    if deep_known:  # (its tables as they are: the samples themselves would move them)
+        policy.deep_known = lambda: True
     policy.verify.setdefault(0, DecayedMean(0.7)).add(0.078)  # a plain step, on every core as a serial verification
     for k in range(1, 4):
         policy.verify.setdefault(k, DecayedMean(0.7)).add(0.100 + 0.002 * k)
@@ -56,6 +60,21 @@ def test_a_serial_round_verifies_past_k_where_the_draft_is_sure():
     for _ in range(30):  # the pair has shown that unsure tokens (past the first) are rejected
         policy.calibration.add(0.05, 0.0, position=2)
     assert policy.choose(10, confidence=[unsure]) == 2
+
+
+def test_a_speculation_runs_past_k_only_once_the_pair_has_shown_its_later_tokens():
+    """Until the pair's calibration holds `DEEP_AFTER` samples of later tokens, a serial speculation is drafted and
+    verified K_max deep at most: f(c) then rests on its prior and a call's opening rounds (cold calls on the real pair
+    expected 76 tokens of rounds verifying 3-16 tokens and got 44). Past them, as deep as the draft is sure."""
+    policy = _serial_policy(deep_known=False, serial_lookahead=10)
+    sure = torch.full((10,), 0.99)
+    k = policy.choose(10, confidence=[sure])
+    assert policy._mode == SERIAL and k == 3 and policy.trace[-1]["limit"] == 10
+    assert policy.depth(k) == 0 and policy.serial == 3
+    for _ in range(int(lookahead_module.DEEP_AFTER)):
+        policy.calibration.add(0.99, 1.0, position=1)
+    k = policy.choose(10, confidence=[sure])
+    assert policy._mode == SERIAL and k > 3 and policy.depth(k) == 0 and policy.serial == 10
 
 
 def test_a_sure_hand_is_verified_where_the_average_acceptance_says_plain_steps():
@@ -153,6 +172,7 @@ DEEP_SCRIPT = [(0, 0, 9), (9, 0, 12), (5, 3), (3, 0, 12), (12, 0, 7), (2, 0, 0),
 @pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
 def test_greedy_identical_through_deep_serial_rounds(monkeypatch, arch, executor):
     _script(monkeypatch, DEEP_SCRIPT)
+    monkeypatch.setattr(LookaheadPolicy, "deep_known", lambda self: True)  # a warm pair: past K from the start
     _script_stops(monkeypatch, [1e-6, 1e-6, 0.6])  # all, all, 2 tokens
     target, random_draft = tiny_pair(arch, seed=140)
     ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(16))
@@ -190,6 +210,7 @@ LAW_DEEP_SCRIPT = [(0, 0, 3), (3, 0, 3), (3, 1)]
 ])
 def test_sampling_law_through_deep_serial_rounds(monkeypatch, law_models, draft, c, executor):  # noqa: F811
     _script(monkeypatch, LAW_DEEP_SCRIPT)
+    monkeypatch.setattr(LookaheadPolicy, "deep_known", lambda self: True)  # a warm pair: past K from the start
     _script_stops(monkeypatch, [1e-6, 0.6])
     target = law_models["target"]
     config = SSDConfig(lookahead=1, max_serial_lookahead=3, fanout_budget=2, saguaro_c=c, backup="draft",
@@ -203,6 +224,7 @@ def test_sampling_law_through_deep_serial_rounds(monkeypatch, law_models, draft,
 def test_negative_control_q_shifted_in_deep_serial_speculations(monkeypatch, law_models):  # noqa: F811
     """Power check: speculations drafted past K handed over with q shifted by one position are rejected."""
     _script(monkeypatch, LAW_DEEP_SCRIPT)
+    monkeypatch.setattr(LookaheadPolicy, "deep_known", lambda self: True)  # a warm pair: past K from the start
     _script_stops(monkeypatch, [1e-6])
     shift_just_in_time_q(monkeypatch, lambda phase, asked, drafted: phase == "serial" and drafted > 1)
     target = law_models["target"]

@@ -32,8 +32,9 @@ def prior_cost_shape(model) -> tuple[float, float, float]:
 class RoundCosts:
     """R(K) and T_v(K) for `LookaheadPolicy` (a mixin: it reads the policy's measurements — `verify`,
     `serial_verify` (the active rows' tables of `verify_by_rows`, `serial_verify_by_rows`), `serial_token`,
-    `serial_fixed`, `remembered_step`, `backup`, `draft`, `overhead`, `hit_rate`, `fanout` — and its setting —
-    `k_max`, `concurrent`, `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` / `knee`)."""
+    `serial_fixed`, `remembered_step`, `backup`, `draft`, `remembered_draft`, `overhead`, `hit_rate`, `fanout` — and
+    its setting — `k_max`, `concurrent`, `memory`, `setting`, `_active_rows`, the prior shape `jump` / `slope` /
+    `knee` and the probed one, `probed_curve`)."""
 
     def times(self) -> dict[int, float]:
         """T_v per K known now: this call's measurements over the remembered ones (scaled to this call), fitted
@@ -144,6 +145,11 @@ class RoundCosts:
         if not several:
             return measured[0] * self.shape(k)
         below = [(n, t) for n, t in several if n < k]
+        if self.probed_curve:  # the shape probed on this machine: from the nearest measured K, within the measured
+            n, t = below[-1] if below else several[0]
+            guess = t * self.shape(k) / self.shape(n)
+            above = [u for m, u in several if m > k]
+            return min(guess, above[0]) if above and below else guess
         if below:
             n, t = below[-1]
             # past K_max (a serial speculation verified deeper: never explored) the prior shape's rise on top
@@ -221,9 +227,25 @@ class RoundCosts:
         return self.positions_cost(rows * (k + 1)) / self.positions_cost(rows)
 
     def positions_cost(self, n: int) -> float:
-        """A forward over `n` positions relative to one: one position is a plain step (on a CPU a matrix-vector
-        product, several a matrix product, which costs twice as much per weight read: `jump`), then `slope` per
-        extra position; from `knee` positions on at least in proportion to positions (compute-bound)."""
+        """A forward over `n` positions relative to one: as probed on the target's layers before the first round
+        (`probed_curve`, `runtime.layer_probe.cost_curve`: linear between the probed counts, past the largest rising
+        from it as the prior does), else the prior (`prior_positions_cost`)."""
+        curve = self.probed_curve
+        if n <= 1 or not curve:
+            return self.prior_positions_cost(n)
+        if n in curve:
+            return curve[n]
+        below = max(m for m in curve if m < n)
+        above = [m for m in curve if m > n]
+        if not above:
+            return curve[below] * self.prior_positions_cost(n) / self.prior_positions_cost(below)
+        high = min(above)
+        return curve[below] + (curve[high] - curve[below]) * (n - below) / (high - below)
+
+    def prior_positions_cost(self, n: int) -> float:
+        """The prior `positions_cost`: one position is a plain step (on a CPU a matrix-vector product, several a matrix
+        product, which costs twice as much per weight read: `jump`), then `slope` per extra position; from `knee`
+        positions on at least in proportion to positions (compute-bound)."""
         return 1.0 if n <= 1 else max(self.jump + self.slope * (n - 2), n / self.knee)
 
     def round_seconds(self, k: int, measured: dict[int, float] | None = None,
@@ -251,8 +273,7 @@ class RoundCosts:
         miss = (1 - (self.hit_rate.value if self.hit_rate.value is not None else 1.0)) * (self.backup.value or 0.0)
         return body + max(self.overhead.value or 0.0, 0.0) + miss
 
-    @staticmethod
-    def concurrent_floor(k: int, measured: dict[int, float], serial: dict[int, float] | None) -> float | None:
+    def concurrent_floor(self, k: int, measured: dict[int, float], serial: dict[int, float] | None) -> float | None:
         """A lower bound of an unmeasured verification of k >= 1 tokens beside the working draft: a serial round's
         (on every core, the draft idle) of k tokens or fewer, which it can only match with the draft competing for
         the machine (on 2 cores one target thread took 527 ms where two took 275); None where none is timed or k is
@@ -260,15 +281,33 @@ class RoundCosts:
         guessed as cheap as the concurrent K below it instead, a 4-token verification beside the draft was tried at
         long contexts (rag on a 2-core Xeon: serial K = 4 timed at 468 ms, a concurrent K = 2 at 487, a gain of
         1.87) and took 910 ms for three tokens, once in each call."""
-        below = [t for n, t in (serial or {}).items() if 1 <= n <= k]
+        below = [(n, t) for n, t in (serial or {}).items() if 1 <= n <= k]
         if k < 1 or k in measured or not below:
             return None
-        return max(below)
+        if self.probed_curve:  # each raised to k's positions along the probed shape (a serial K = 2 at 268 ms priced
+            # a concurrent K = 4 at 1.9 x 268 ms; it took 892 where a serial K = 4 takes 475)
+            return max(t * self.shape(k) / self.shape(n) for n, t in below)
+        return max(t for _, t in below)
 
     def draft_seconds(self) -> float:
-        """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then)."""
+        """T_d: the draft's full-depth round at the fan-out budget in use, as measured (any round's until then; before
+        this call measures one, as earlier calls with this draft did: `remembered_draft`). Priced at 0 instead, a
+        call deciding whether to start with plain steps (`first_depth`) on a target whose verification costs about
+        what a plain step does saw no cost in speculating, and a useless draft's calls never started paused."""
         at_budget = self.fanout.draft.get(self.fanout.current)
-        return at_budget if at_budget is not None else self.draft.value or 0.0
+        if at_budget is not None:
+            return at_budget
+        return self.draft.value if self.draft.value is not None else self.remembered_draft or 0.0
+
+
+def probed_positions(lookahead: int, serial_lookahead: int = 0) -> tuple[int, ...]:
+    """The positions a verification's cost is probed at (`runtime.layer_probe.cost_curve`): every count up to K_max +
+    1 (at most 8: the curve's steps there decide K), then ~1.5x apart up to the deepest serial speculation's + 1."""
+    dense = min(lookahead + 1, 8)
+    sizes, deepest = list(range(1, dense + 1)), max(lookahead, serial_lookahead) + 1
+    while sizes[-1] < deepest:
+        sizes.append(min(deepest, -(-sizes[-1] * 3 // 2)))
+    return tuple(sizes)
 
 
 def position_slope(times: dict[int, float]) -> float:

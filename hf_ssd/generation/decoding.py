@@ -20,12 +20,12 @@ import torch
 from ..compat import pad_token_tensor
 from ..config import SSDConfig
 from ..metrics import MetricsRecorder
-from ..runtime import DraftRequest, choose_executor, open_executor, split_threads, thread_gain
+from ..runtime import DraftRequest, choose_executor, cost_curve, open_executor, split_threads, thread_gain
 from .backup import AutoBackup
 from .budget import FanoutBudget
 from .candidate_generator import sampling_warpers
 from .checks import check_processors, check_supported, model_vocab_size
-from .costs import prior_cost_shape
+from .costs import prior_cost_shape, probed_positions
 from .lookahead import LookaheadMemory, LookaheadPolicy
 from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, steps
 from .prompt_lookup import PromptLookup
@@ -68,6 +68,11 @@ def ssd_decoding(
     # before the first round, so that the concurrent mode is priced before it is tried
     probed = thread_gain(model, request.target_threads, request.draft_threads + request.target_threads) if (
         adaptive and every_core > 1) else None
+    # how a verification's cost rises with the positions it covers, on the cores a plain step and a serial round run
+    # on: probed once per target, so that a K is priced before it is timed (`RoundCosts.positions_cost`)
+    step_threads = request.draft_threads + request.target_threads if every_core > 1 else target_threads
+    curve = cost_curve(model, step_threads, probed_positions(config.lookahead, config.serial_lookahead)) if (
+        adaptive and model.device.type == "cpu") else None
     policy = LookaheadPolicy(config.lookahead, adaptive, config.acceptance_prior,
                              concurrent=kind != "sync", cost_shape=prior_cost_shape(model),
                              memory=LookaheadMemory.of(model), setting=(kind != "sync", target_threads),
@@ -76,7 +81,8 @@ def ssd_decoding(
                                                  concurrent=kind != "sync"),
                              confidence=config.draft_confidence, serial_lookahead=config.serial_lookahead,
                              every_core=every_core, prefill_positions=input_ids.numel(),
-                             runner_up=config.runner_up, probed_gain=probed)
+                             runner_up=config.runner_up, probed_gain=probed,
+                             probed_curve=curve)
     phase = recorder.phases
     pad = pad_token_tensor(generation_config)
     start = time.perf_counter()

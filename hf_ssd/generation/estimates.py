@@ -104,7 +104,8 @@ def memory_key(setting: tuple, rows: int, serial: bool = False) -> tuple:
 class LookaheadMemory:
     """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time per K
     for each setting (concurrent draft or not, target threads, active rows), each draft's pooled acceptance, what its
-    probes cost and what a further token of its just-in-time drafting costs. A new call scales the remembered times by
+    probes cost, what a further token of its just-in-time drafting costs and what its prepare beside a verification
+    costs. A new call scales the remembered times by
     what it has measured itself (context and machine load move them all), and does not explore a K already timed (a K
     >= 1 is timed again once `RETIME_AFTER` rounds stale, a close plain step at once: `LookaheadPolicy._choose`). A
     time is served to later calls once timed twice (`REMEMBER_AFTER`): a single timing may be a one-off (a process's
@@ -123,6 +124,7 @@ class LookaheadMemory:
         self.calibration: dict[int, object] = {}  # draft key -> its `ConfidenceCalibration` against this target
         self.probe_cost: dict[tuple, float] = {}  # (draft key, setting) -> a probe's cost in plain steps
         self.serial_step: dict[tuple, float] = {}  # (draft key, setting) -> seconds per further just-in-time token
+        self.draft_round: dict[tuple, float] = {}  # (draft key, setting) -> seconds of a prepare beside a verification
         self.runner_ups: dict[int, object] = {}  # draft key -> its `RunnerUpCalibration` against this target
 
     @classmethod

@@ -41,7 +41,7 @@ import time
 
 from ..ema import DecayedMean
 from .budget import FanoutBudget
-from .confidence import ConfidenceCalibration
+from .confidence import LATER, ConfidenceCalibration
 from .confident_rounds import ConfidentRounds
 from .costs import CPU_SHAPE, RoundCosts
 from .estimates import COST_DECAY, DECAY, AcceptanceTracker, LookaheadMemory, expected_tokens
@@ -60,6 +60,11 @@ EXPLORE_PLAIN_WITHIN = 0.5
 # it is made on every core, the draft sitting the first round out (`LookaheadPolicy._prefill_alone`); below it the
 # first round is concurrent (the prefill costs milliseconds: either way differs by less than the round's overhead)
 PREFILL_ALONE_AFTER = 0.1
+# Samples (decayed) of later tokens the pair's calibration holds before a serial speculation runs past K_max. With
+# fewer, f(c) rests on its prior and on a call's opening rounds, which are accepted more often than the rest: on the
+# real pair, cold calls on nine sets expected 76 tokens from their rounds verifying 3-16 tokens with under 12 such
+# samples and got 44 (K = 16 rounds bringing 2-3 tokens on alpaca, gsm8k and qa); with 12 or more, 159 and got 161.
+DEEP_AFTER = 12.0
 RETIME_AFTER = 16  # rounds after which a close competitor's cost, not measured since, is timed again
 
 
@@ -76,7 +81,7 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
                  setting: tuple = (), draft_key: int | None = None, serial: bool = False,
                  fanout: FanoutBudget | None = None, confidence: bool = False, serial_lookahead: int = 0,
                  every_core: float = 1.0, prefill_positions: int = 0, runner_up: str = "auto",
-                 probed_gain: float | None = None):
+                 probed_gain: float | None = None, probed_curve: dict[int, float] | None = None):
         self.k_max, self.adaptive, self.concurrent = lookahead, adaptive, concurrent
         # how many times the cores of a step on every core (a plain step, a serial round) over the target's beside the
         # working draft: the most a step gains by the draft sitting out, for guessing an unmeasured one (b = 2 on
@@ -85,6 +90,9 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         # ... as probed on the target's layers before the first round (`runtime.threads.thread_gain`), within [1,
         # `every_core`]: what the concurrent mode is priced at until a verification beside the draft is timed
         self.probed_gain = None if probed_gain is None else min(max(probed_gain, 1.0), self.every_core)
+        # a forward's cost per count of positions relative to one, as probed on the target's layers before the first
+        # round (`runtime.layer_probe.cost_curve`): the shape an unmeasured K is priced by, in place of the prior's
+        self.probed_curve = dict(probed_curve) if probed_curve else None
         self.fanout = fanout or FanoutBudget(1, adaptive=False, power=1.0, concurrent=concurrent)  # see `budget`
         self.serial_option = serial and concurrent and adaptive  # see `SERIAL` in the module docstring
         self.memory, self.setting, self.draft_key = memory, setting, draft_key
@@ -123,6 +131,8 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         # call has measured its own (`stop_rule`)
         self.remembered_step = memory.serial_step.get((draft_key, setting)) if memory is not None else None
         self.backup_token = DecayedMean(COST_DECAY)  # seconds per token of the draft backup (beside the target)
+        # what earlier calls with this draft measured its prepare at (`draft_seconds` until this call measures it)
+        self.remembered_draft = memory.draft_round.get((draft_key, setting)) if memory is not None else None
         # the cost curve's prior shape, only until measured (see `shape`); no knee given: never compute-bound
         self.jump, self.slope, self.knee = (*cost_shape, float("inf"))[:3]
         self.draft = DecayedMean(COST_DECAY)  # seconds of one prepare (glue, fork, tree), at whatever depth and budget
@@ -186,8 +196,15 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         A batch of rows returns when its last row is done, and a deep speculation widens the rows' spread (one row
         takes 16 tokens, the next 2): the rows that finish early leave, and the last ones decode at a small batch's
         poor efficiency (measured, 8 rows of 48 tokens on 2 cores: depth 16 made 0.78-1.09x plain decoding, depth 4
-        0.91-1.36x in the same runs)."""
-        return self.k_serial if self._active_rows == 1 else self.k_max
+        0.91-1.36x in the same runs). K_max too until the pair's calibration holds `DEEP_AFTER` samples of later
+        tokens (`deep_known`)."""
+        return self.k_serial if self._active_rows == 1 and self.deep_known() else self.k_max
+
+    def deep_known(self) -> bool:
+        """Whether the pair's calibration (`calibration`, pooled over calls) holds `DEEP_AFTER` samples (decayed) of
+        a speculation's later tokens: what a speculation past K_max is priced by."""
+        calibration = self.calibration
+        return calibration is not None and sum(calibration.reached[LATER]) >= DEEP_AFTER
 
     def depth(self, k: int) -> int:
         """How many tokens deep the draft prepares the next speculations: K_max while speculating would pay (at any
@@ -270,6 +287,8 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
             now = self._serial_speeds(acceptance, table, serial_table) if self._mode == SERIAL else speeds
             self._rate = max(now.values(), default=None)
             self._record(limit, None, "first round")
+            if self.probed_curve:
+                self.trace[-1]["probed_cost_curve"] = {n: round(c, 3) for n, c in self.probed_curve.items()}
             return limit
         if not speeds:  # acceptance seen, no verification timed yet (the first held the prefill): the prior shape
             speeds = {k: expected_tokens(acceptance, k) / self.shape(k) for k in range(self.k_max + 1)}
@@ -436,6 +455,8 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
             self.memory.probe_cost[(self.draft_key, self.setting)] = self._probe_cost()
         if self.memory is not None and self.serial_step() is not None:
             self.memory.serial_step[(self.draft_key, self.setting)] = self.serial_step()
+        if self.memory is not None and self.draft.value is not None:
+            self.memory.draft_round[(self.draft_key, self.setting)] = self.draft.value
         return {"lookahead_per_round": [entry["k"] for entry in self.trace],
                 "fanout_budget_per_round": [entry.get("budget", self.fanout.current) if entry.get("depth", 1) else 0
                                             for entry in self.trace],

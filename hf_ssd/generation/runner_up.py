@@ -153,11 +153,12 @@ class RunnerUpRounds:
     def take_runner_up(self, verified: int, depth: int, ready, confidence: torch.Tensor | None) -> bool:
         """Whether this round verifies the runner-up of its one drafted token beside it: a round verifying one token
         of a speculation drafted just in time, the draft sitting it out (its prepared outcomes would follow s_1),
-        the target `ready` (a callable, asked last: one row, a cache and attention that take a sibling,
-        `TargetBatch.runner_up_ready`), and — under "auto" — the runner-up's rate at s_1's confidence worth the
-        position."""
-        if self.runner_up_mode == "never" or verified != 1 or depth != 0 or not ready():
-            return False
+        not a round exploring K = 1, the target `ready` (a callable, asked last: one row, a cache and attention that
+        take a sibling, `TargetBatch.runner_up_ready`), and — under "auto" — the runner-up's rate at s_1's confidence
+        worth the position."""
+        if self.runner_up_mode == "never" or verified != 1 or depth != 0 or self._exploring or not ready():
+            return False  # (a round exploring K = 1 times it: with a runner-up its forward is timed as K = 2's, and
+            # K = 1 stayed untimed and explored round after round, 20 rounds of one alpaca answer)
         if self.runner_up_mode == "always":
             take = True
         else:

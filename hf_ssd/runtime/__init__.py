@@ -13,7 +13,8 @@ from .executor import (
     choose_executor,
     open_executor,
 )
-from .threads import available_cores, split_threads, thread_gain
+from .layer_probe import cost_curve, thread_gain
+from .threads import available_cores, split_threads
 
 __all__ = [
     "DraftCancelled",
@@ -23,6 +24,7 @@ __all__ = [
     "available_cores",
     "choose_executor",
     "close_workers",
+    "cost_curve",
     "open_executor",
     "split_threads",
     "thread_gain",

@@ -1,11 +1,11 @@
 """CPU cores and intra-op thread counts: how many each side gets while SSD runs, every core for a prefill, how many
-draft a speculation just in time (measured: `ThreadChoice`), and what more threads gain the target (`thread_gain`)."""
+draft a speculation just in time (measured: `ThreadChoice`). What more threads gain the target is probed on its
+layers (`layer_probe.thread_gain`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import time
 import weakref
 from collections.abc import Callable
@@ -124,77 +124,3 @@ def drafting_threads(draft: torch.nn.Module, candidates: tuple[int, ...]) -> Thr
 def drafted_tokens(resolutions) -> int:
     """Tokens a just-in-time resolve drafted per row (its speculations share one length): `ThreadChoice`'s unit."""
     return int(resolutions[0].speculation.tokens.shape[0]) if resolutions else 0
-
-
-_GAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def thread_gain(model: torch.nn.Module, threads: int, more: int, rows: int = 3, repeats: int = 5) -> float | None:
-    """How many times faster `model` runs on `more` intra-op threads than on `threads`: the median of `repeats`
-    runs of one middle block's linear layers (`_probe_layers`) over `rows` positions at each count, after two
-    warm-up runs; probed once per model, thread counts and rows (~0.17 s for Qwen2.5-Coder 1.5B fp32 on 2 cores).
-    What the target gains when the draft sits a verification out (every core) over one beside the working draft
-    (its own cores), known before the first round. On a 2-core Xeon it read 1.8-2.0 (int8: 1.9-2.1), where the
-    whole model gained 1.80-1.91x and a verification beside the working draft took 1.8x a serial one; a single
-    layer read 0.3-2.7 (1 ms runs) and the output embedding alone takes 68 ms a run. 1.0 where `more` is no more
-    than `threads`; None where the model has no linear layer on the CPU or the probe fails (it never stops a
-    generation)."""
-    if more <= threads or threads < 1:
-        return 1.0
-    key = (threads, more, rows)
-    try:
-        known = _GAINS.setdefault(model, {})
-    except TypeError:  # not weakly referable
-        known = {}
-    if key not in known:
-        known[key] = _probe_gain(model, threads, more, rows, repeats)
-    return known[key]
-
-
-def _probe_gain(model: torch.nn.Module, threads: int, more: int, rows: int, repeats: int) -> float | None:
-    layers = _probe_layers(model)
-    if not layers:
-        return None
-    inputs, generator = [], torch.Generator().manual_seed(0)  # its own: the caller's random stream stays as it was
-    for layer in layers:
-        weight = next(layer.parameters(), None)
-        if weight is not None and weight.device.type != "cpu":
-            return None
-        dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
-        inputs.append(torch.randn(1, rows, layer.in_features, generator=generator).to(dtype))
-
-    def run() -> None:
-        for layer, x in zip(layers, inputs):
-            layer(x)
-
-    def seconds(count: int) -> float:
-        with torch_threads(count):
-            for _ in range(2):
-                run()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    try:
-        with torch.no_grad():
-            few, many = seconds(threads), seconds(more)
-    except Exception:  # an exotic layer (a quantized or packed one that wants other inputs): no probe
-        return None
-    return few / many if many > 0 else None
-
-
-def _probe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The linear layers of one of `model`'s middle blocks (the longest `ModuleList`'s middle entry; the whole model
-    where it has none), the output embedding left out: modules with `in_features` and `out_features` (plain,
-    quantized and packed linear layers alike), the outermost where one holds another."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    scope = blocks and max(blocks, key=len)
-    root = scope[len(scope) // 2] if scope else model
-    linear = [m for m in root.modules() if m is not output and isinstance(getattr(m, "in_features", None), int)
-              and isinstance(getattr(m, "out_features", None), int)]
-    inner = {id(c) for m in linear for c in m.modules() if c is not m}
-    return [m for m in linear if id(m) not in inner]
