@@ -89,7 +89,9 @@ class SSDMetrics:
     confidence (`stop_tables`: the pair's, pooled over calls, with their log-odds shifted by `calibration_shift`
     toward this call's own acceptance) and `at_least` when a second token was drafted to sample a_2; where serial
     rounds are possible, `core_gain`: how many times faster a verification on every core was measured than one
-    beside the working draft (what an untimed plain step is guessed from); for a single row with serial
+    beside the working draft (what an untimed plain step is guessed from); in the first decision, where the target
+    runs on the CPU, `probed_cost_curve`: its forward's cost per count of positions relative to one, probed before
+    the first round (what an untimed K is priced by); for a single row with serial
     rounds possible, `confident_serial_tok_s`: their speed as deep as the draft's confidence makes worth it, what the
     serial mode was weighed at against plain steps when it beat the average acceptance's serial speeds; the speeds
     per K of the speculation in hand priced by its tokens' confidences in the way chosen (`confident_tok_s`), or, where

@@ -145,7 +145,7 @@ class RoundCosts:
         if not several:
             return measured[0] * self.shape(k)
         below = [(n, t) for n, t in several if n < k]
-        if self.probed_curve:  # the shape probed on this machine: from the nearest measured K, within the measured
+        if self.probed_curve:  # the nearest measured K times the probed rise, never above a measured K above it
             n, t = below[-1] if below else several[0]
             guess = t * self.shape(k) / self.shape(n)
             above = [u for m, u in several if m > k]
@@ -162,7 +162,7 @@ class RoundCosts:
         than on its own cores beside the working draft (a concurrent one): the median ratio over the (rows, K >= 1)
         timed both ways, this call's own where it has any, else earlier calls' (`LookaheadMemory`), within [1,
         `every_core`]; until then the gain probed on the target's own layers before the first round
-        (`probed_gain`, `runtime.threads.thread_gain`), else `every_core`, the bound (cores in proportion). What a
+        (`probed_gain`, `runtime.layer_probe.thread_gain`), else `every_core`, the bound (cores in proportion). What a
         plain step, on every core, is guessed at before it is timed (`verify_seconds`): on a 2-core EPYC with MKL's
         kernels the second core gains the target nothing (a serial K = 4 in 692 ms, a concurrent one in 733), and
         the bound, 2x, guessed a 2-row plain step at 327 ms that took 684: two rounds of a 48-token batch spent on

@@ -105,14 +105,13 @@ class LookaheadMemory:
     """What one target has shown across `generate()` calls, so a call does not relearn it: the verification time per K
     for each setting (concurrent draft or not, target threads, active rows), each draft's pooled acceptance, what its
     probes cost, what a further token of its just-in-time drafting costs and what its prepare beside a verification
-    costs. A new call scales the remembered times by
-    what it has measured itself (context and machine load move them all), and does not explore a K already timed (a K
-    >= 1 is timed again once `RETIME_AFTER` rounds stale, a close plain step at once: `LookaheadPolicy._choose`). A
-    time is served to later calls once timed twice (`REMEMBER_AFTER`): a single timing may be a one-off (a process's
-    first forwards, a busy moment), and a remembered cost far above the best is never timed again (measured: one serial
-    verification of 3 positions at 800 ms in a bench's 8-token warm-up, against 365 ms when timed later, kept every
-    later call's serial speculations one token deep on translation). Kept beside the target model (weakly: it goes with
-    the model)."""
+    costs. A new call scales the remembered times by what it has measured itself (context and machine load move them
+    all), and does not explore a K already timed (a K >= 1 is timed again once `RETIME_AFTER` rounds stale, a close
+    plain step at once: `LookaheadPolicy._choose`). A time is served to later calls once timed twice
+    (`REMEMBER_AFTER`): a single timing may be a one-off (a process's first forwards, a busy moment), and a remembered
+    cost far above the best is never timed again (measured: one serial verification of 3 positions at 800 ms in a
+    bench's 8-token warm-up, against 365 ms when timed later, kept every later call's serial speculations one token
+    deep on translation). Kept beside the target model (weakly: it goes with the model)."""
 
     _by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

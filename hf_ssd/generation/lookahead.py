@@ -87,7 +87,7 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         # working draft: the most a step gains by the draft sitting out, for guessing an unmeasured one (b = 2 on
         # 2 cores: a serial K = 2 guessed at 800 ms from the one-thread verifications, measured 511, and not tried)
         self.every_core = max(every_core, 1.0)
-        # ... as probed on the target's layers before the first round (`runtime.threads.thread_gain`), within [1,
+        # ... as probed on the target's layers before the first round (`runtime.layer_probe.thread_gain`), within [1,
         # `every_core`]: what the concurrent mode is priced at until a verification beside the draft is timed
         self.probed_gain = None if probed_gain is None else min(max(probed_gain, 1.0), self.every_core)
         # a forward's cost per count of positions relative to one, as probed on the target's layers before the first
