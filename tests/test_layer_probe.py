@@ -49,8 +49,9 @@ def test_thread_gain_restores_the_thread_count_and_survives_a_failing_layer():
 
 
 class Stepped(torch.nn.Module):
-    """Looks linear; its forward takes 4 ms over up to 3 positions, 8 ms over more (the step of MKL's kernels on a
-    2-core Xeon), `cheaper` ms over 12 or more where given (kernels that turn cheaper past some count)."""
+    """Looks linear; its forward takes 20 ms over up to 3 positions, 40 ms over more (the step of MKL's kernels on a
+    2-core Xeon), `cheaper` ms over 12 or more where given (kernels that turn cheaper past some count). Sleeps long
+    enough that a loaded machine's scheduling delays (a few ms) do not blur the step."""
 
     in_features, out_features = 4, 4
 
@@ -60,7 +61,7 @@ class Stepped(torch.nn.Module):
 
     def forward(self, x):
         n = x.shape[-2]
-        time.sleep((self.cheaper if self.cheaper and n >= 12 else 4.0 if n <= 3 else 8.0) / 1e3)
+        time.sleep((self.cheaper if self.cheaper and n >= 12 else 20.0 if n <= 3 else 40.0) / 1e3)
         return x
 
 
@@ -83,7 +84,7 @@ def test_the_cost_curve_is_probed_once_per_model_and_positions_on_one_middle_blo
     assert layer_probe.cost_curve(model, 1, (2, 3, 4, 5, 8)) is curve and len(calls) == 1
     layer_probe.cost_curve(model, 2, (2, 3, 4, 5, 8))
     assert len(calls) == 2  # other threads: probed again
-    falling = layer_probe.cost_curve(torch.nn.Sequential(Stepped(cheaper=1.0)), 1, (4, 12))
+    falling = layer_probe.cost_curve(torch.nn.Sequential(Stepped(cheaper=5.0)), 1, (4, 12))
     assert falling[12] == falling[4] > 1.6  # cheaper kernels past 12 positions read as the count before them
     assert layer_probe.cost_curve(torch.nn.Sequential(torch.nn.ReLU()), 1, (2, 3)) is None
 
