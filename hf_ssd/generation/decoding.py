@@ -66,11 +66,11 @@ def ssd_decoding(
     adaptive = config.lookahead_schedule == "adaptive"
     # what the target gains on every core over its own (the draft sitting a verification out): probed once per target
     # before the first round, so that the concurrent mode is priced before it is tried
-    probed = thread_gain(model, request.target_threads, request.draft_threads + request.target_threads) if (
-        adaptive and every_core > 1) else None
+    all_threads = request.draft_threads + request.target_threads
+    probed = thread_gain(model, request.target_threads, all_threads) if adaptive and every_core > 1 else None
     # how a verification's cost rises with the positions it covers, on the cores a plain step and a serial round run
     # on: probed once per target, so that a K is priced before it is timed (`RoundCosts.positions_cost`)
-    step_threads = request.draft_threads + request.target_threads if every_core > 1 else target_threads
+    step_threads = all_threads if every_core > 1 else target_threads
     curve = cost_curve(model, step_threads, probed_positions(config.lookahead, config.serial_lookahead)) if (
         adaptive and model.device.type == "cpu") else None
     policy = LookaheadPolicy(config.lookahead, adaptive, config.acceptance_prior,

@@ -98,7 +98,7 @@ class RunnerUpCalibration:
 class RunnerUpRounds:
     """The lookahead policy's side of runner-ups: whether this round verifies one, what it is worth to the stop rule,
     and the rate learnt from every verified first token. A mixin of `LookaheadPolicy`: it reads the policy's cost
-    tables (`times`, `serial_times`, `serial_verify_seconds`), speed (`_rate`), trace and mode, and keeps
+    tables (`times`, `serial_times`, `serial_verify_seconds`), speed (`_rate`), trace, mode and `_exploring`, and keeps
     `runner_ups` (a `RunnerUpCalibration`, per target and draft across calls), `runner_up_mode` and the count of
     runner-ups that won (`runner_up_wins`); a round that verifies one says so in its trace entry (`runner_up`)."""
 
