@@ -25,6 +25,7 @@ from hf_ssd.generation.confidence import (
     expected_tokens_per_row,
     shifted,
 )
+from hf_ssd.generation.confident_rounds import SHARE_PRIOR
 from hf_ssd.generation.costs import FLAT_SHAPE
 from hf_ssd.generation.lookahead import LookaheadPolicy
 
@@ -298,6 +299,29 @@ def test_serial_speculation_is_priced_by_the_spread_of_the_drafts_confidence():
     batch = _plain_or_serial(0.3)  # a batch: one K for all rows, the spread per row not priced
     batch.choose(8, rows=2)
     assert "confident_serial_tok_s" not in batch.trace[-1]
+
+
+def test_serial_speculation_is_priced_by_this_calls_spread_of_confidence():
+    """The pair's calibration (earlier calls) has 30 % of first tokens sure, but on this call's text the draft is
+    hesitant about every first token: serial rounds are priced by the call's own share of confidences (shrunk to the
+    pair's, `SHARE_PRIOR` samples' worth), and plain steps win. On an AVX2 EPYC a summarization answer was priced at
+    the pair's share (3.6-3.8 tok/s against a plain step's 2.4) and made 1.8, 39 of 43 speculations declined.
+    A call whose share matches the pair's keeps the serial rounds."""
+    hesitant = _plain_or_serial(0.3)
+    hesitant.call_calibration = ConfidenceCalibration()
+    for _ in range(60):
+        hesitant.call_calibration.add(0.01, 0.0, 0)
+    share = hesitant.first_share()
+    assert share[0] == pytest.approx((60 + SHARE_PRIOR * 0.7) / (60 + SHARE_PRIOR))
+    hesitant.choose(8)
+    entry = hesitant.trace[-1]
+    assert entry["confident_serial_tok_s"] < entry["tok_s"][0] and entry["mode"] == "plain"
+    alike = _plain_or_serial(0.3)
+    alike.call_calibration = ConfidenceCalibration()
+    for confidence in [0.99] * 3 + [0.01] * 7:
+        alike.call_calibration.add(confidence, float(confidence > 0.5), 0)
+    alike.choose(8)
+    assert alike.trace[-1]["mode"] == "serial"
 
 
 def test_stop_rule_prices_time_no_higher_than_serial_rounds_make():
