@@ -106,13 +106,11 @@ class ConfidentRounds:
         serial rounds were priced at 3.6-3.8 tok/s against a plain step's 2.4 and made 1.8, 39 of their 43
         speculations declined (a plain step, then drafting the next speculation: 220 ms a round thrown away)."""
         counts = self.calibration.reached[FIRST]  # (the pair's counts hold this call's too)
-        own = self.call_calibration.reached[FIRST] if self.call_calibration is not None else None
-        if own is None or sum(own) <= 0:
-            own = [0.0] * len(counts)
-        total, seen = sum(counts), sum(own)
-        if total <= 0:
-            return [o / seen for o in own] if seen > 0 else [0.0] * len(counts)
-        return [(o + SHARE_PRIOR * c / total) / (seen + SHARE_PRIOR) for o, c in zip(own, counts)]
+        own = self.call_calibration.reached[FIRST] if self.call_calibration is not None else [0.0] * len(counts)
+        total = sum(counts)
+        per_count = SHARE_PRIOR / total if total > 0 else 0.0  # what one of the pair's counts weighs
+        weight = sum(own) + per_count * total
+        return [(o + per_count * c) / weight for o, c in zip(own, counts)] if weight > 0 else [0.0] * len(counts)
 
     def _round_acceptance(self, limit: int) -> torch.Tensor | None:
         """f(c) of the first `limit` tokens of every active row's speculation [rows, limit]; None when the policy does
