@@ -114,7 +114,7 @@ def pack_linear_layers(model: nn.Module) -> nn.Module:
 PROBE_BYTES = 1 << 30
 
 
-def _probe_layers(model: nn.Module) -> list[nn.Linear]:
+def _largest_linears(model: nn.Module) -> list[nn.Linear]:
     """The largest Linear layers of `model` (the head excluded, unless it is the only one) up to `PROBE_BYTES`."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -140,7 +140,7 @@ def packing_speedup(model: nn.Module, rows: int, repeats: int = 9) -> dict[int, 
     `model`'s largest Linear layers (the head excluded) holding `PROBE_BYTES` of weights: a pass over them with each
     kernel in turn, `repeats` times, the median of the passes' ratios (interleaved, so that a machine's drift
     during the probe moves both kernels alike). Above 1, packing is faster."""
-    layers = _probe_layers(model)
+    layers = _largest_linears(model)
     if not layers:
         return {}
     packed = [PackedLinear(layer) for layer in layers]

@@ -104,10 +104,10 @@ def test_the_probe_reads_the_largest_layers_up_to_its_byte_bound(monkeypatch):
     model = tiny_model("llama")
     head = model.get_output_embeddings()
     body = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
-    assert set(packing._probe_layers(model)) == set(body)  # under the bound: all of them
+    assert set(packing._largest_linears(model)) == set(body)  # under the bound: all of them
     largest = max(m.weight.numel() for m in body) * 4
     monkeypatch.setattr(packing, "PROBE_BYTES", largest + 1)
-    chosen = packing._probe_layers(model)
+    chosen = packing._largest_linears(model)
     sizes = [m.weight.numel() for m in chosen]
     assert len(chosen) == 2 and head not in chosen and sizes == sorted(sizes, reverse=True)
     assert sizes[0] == max(m.weight.numel() for m in body)
