@@ -42,3 +42,42 @@ def test_stateful_processor_is_refused_before_any_forward(monkeypatch):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft, ssd_config={}, max_new_tokens=5,
                         do_sample=False, logits_processor=LogitsProcessorList([guidance]))
     assert not calls
+
+
+def test_trailing_warpers_run_once_over_every_position():
+    """`process_rows` applies the processors that read token ids per position (each row's own prefix) and the
+    sampling warpers that end the list once over every row and position: the same scores, position by position, as
+    transformers' `LogitsProcessorList` applied to each row's prefix (rows of unequal lengths, a batch of three of
+    which two are active)."""
+    from types import SimpleNamespace
+
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from hf_ssd.generation.target_rows import process_rows
+    from hf_ssd.generation.warpers import split_trailing_warpers
+
+    penalty = RepetitionPenaltyLogitsProcessor(1.7)
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(9), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)]
+    assert split_trailing_warpers([penalty, *warpers]) == ([penalty], warpers)
+    assert split_trailing_warpers([warpers[0], penalty, warpers[1]]) == ([warpers[0], penalty], [warpers[1]])
+    assert split_trailing_warpers(warpers) == ([], warpers)
+    generator = torch.Generator().manual_seed(0)
+    vocab, positions = 16, 4
+    rows = [SimpleNamespace(ids=torch.randint(0, vocab, (n,), generator=generator), index=i)
+            for i, n in enumerate((5, 7, 6))]
+    active = [rows[0], rows[2]]
+    tokens = torch.randint(0, vocab, (len(active), positions - 1), generator=generator)
+    raw = torch.randn(len(active), positions, vocab, generator=generator) * 3
+    for processors in ([penalty, *warpers], warpers, [warpers[0], penalty, *warpers[1:]]):
+        scores = process_rows(LogitsProcessorList(processors), rows, active, tokens, raw)
+        for i, row in enumerate(active):
+            for m in range(positions):
+                ids = torch.cat([row.ids, tokens[i, :m]])[None]
+                expected = LogitsProcessorList(processors)(ids, raw[i, m][None].clone())[0]
+                torch.testing.assert_close(scores[i, m], expected, rtol=0, atol=0)

@@ -384,6 +384,9 @@ E2E_CONFIGS = [
     pytest.param("self", 2, 4, 0.05, "draft", "process", TEMPERATURE, id="self-C0.05-draft-process"),
     pytest.param("random", 2, 4, 0.5, "random", "process", WARPED, id="rand-C0.5-random-process-warped"),
     pytest.param("self", 2, 4, 0.3, "ngram", "stream", TEMPERATURE, id="self-C0.3-ngram-stream"),
+    # a processor that reads token ids before the warpers: per position, then the warpers over every position
+    pytest.param("random", 2, 4, 0.5, "draft", "thread", {**WARPED, "repetition_penalty": 1.5},
+                 id="rand-C0.5-draft-thread-penalty"),
 ]
 
 

@@ -22,16 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopHLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
 
 from ..cache.draft_cache import DraftCache, compiled_call, default_compile
 from ..cache.speculation_cache import Resolution, Speculation, SpeculationCache, lookup_kind, plain_resolutions
@@ -44,18 +34,7 @@ from .fanout import FanoutEstimator, fork_candidates
 from .just_in_time import JustInTimeDrafting
 from .paused import PausedDrafting
 from .saguaro import draft_probs
-
-# Sampling warpers that act on scores alone; the draft applies exactly these (in the target's order) to q.
-SAMPLING_WARPERS = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TopHLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-)
+from .warpers import sampling_warpers
 
 
 @dataclass
@@ -89,11 +68,6 @@ class DraftReport:
     draft_compact_seconds: float
     peak_draft_kv_bytes: int
     draft_phase_seconds: dict[str, float] = field(default_factory=dict)
-
-
-def sampling_warpers(logits_processor) -> list:
-    """The processors among `logits_processor` that the draft applies to q too (see `SAMPLING_WARPERS`)."""
-    return [p for p in (logits_processor or []) if isinstance(p, SAMPLING_WARPERS)]
 
 
 class SaguaroCandidateGenerator(PausedDrafting, JustInTimeDrafting, CandidateGenerator):

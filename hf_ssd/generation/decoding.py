@@ -23,7 +23,6 @@ from ..metrics import MetricsRecorder
 from ..runtime import DraftRequest, choose_executor, cost_curve, open_executor, split_threads, thread_gain
 from .backup import AutoBackup
 from .budget import FanoutBudget
-from .candidate_generator import sampling_warpers
 from .checks import check_processors, check_supported, model_vocab_size
 from .costs import prior_cost_shape, probed_positions
 from .lookahead import LookaheadMemory, LookaheadPolicy
@@ -31,6 +30,7 @@ from .outputs import BatchStreamer, SSDGenerateDecoderOnlyOutput, assemble, step
 from .prompt_lookup import PromptLookup
 from .rows import Batch
 from .target_rows import TargetBatch, kv_bytes
+from .warpers import sampling_warpers
 
 __all__ = ["SSDGenerateDecoderOnlyOutput", "ssd_decoding"]
 

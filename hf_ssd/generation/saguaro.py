@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .warpers import warp
+
 
 def saguaro_logits(logits: torch.Tensor, top: int, c: float) -> torch.Tensor:
     """Add log(C) to the `top` largest logits of each row (σ_{F,C}); a no-op for C = 1 or top = 0."""
@@ -27,8 +29,5 @@ def draft_probs(logits: torch.Tensor, warpers, top: int, c: float) -> torch.Tens
     `warpers` take `(input_ids, scores)` and ignore `input_ids`, as transformers' warpers do. Warpers run
     first, so the candidates Saguaro down-weights are the ones the warped draft ranks highest.
     """
-    scores = logits.float()
-    for warper in warpers:
-        scores = warper(None, scores)
-    scores = saguaro_logits(scores, top, c)
+    scores = saguaro_logits(warp(warpers, logits.float()), top, c)
     return torch.softmax(scores, dim=-1)

@@ -24,6 +24,7 @@ from ..compat import (
 from .rows import Batch, Row, Verdict
 from .runner_up import NEITHER, RUNNER_UP_WON, drop_position, sibling_inputs, sibling_winner
 from .verification import accept, sibling_sampling_verify
+from .warpers import split_trailing_warpers, warp
 
 ROW_INPUTS = ("attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids")  # [b, T]: follow the tokens
 
@@ -268,10 +269,15 @@ def process_rows(logits_processor, rows: list[Row], active: list[Row], tokens: t
     `row.ids` is the row as plain decoding holds it (its prompt as passed, padding included, plus what it has
     generated), so length- and content-dependent processors behave exactly as there. Processors may hold per-row
     state for the original batch (e.g. the repetition penalty's prompt lengths): each call gets a batch of the
-    original size (`rows`) with the rows in their original places; rows of equal length share a call.
+    original size (`rows`) with the rows in their original places; rows of equal length share a call. The sampling
+    warpers that end the list (`warpers.split_trailing_warpers`) read scores alone: they run once over every row and
+    position.
     """
     if not logits_processor:
         return raw  # neither is written to afterwards
+    processors, warpers = split_trailing_warpers(logits_processor)
+    if not processors:
+        return warp(warpers, raw)
     scores = raw.clone()
     batch = len(rows)
     for m in range(raw.shape[1]):
@@ -285,8 +291,10 @@ def process_rows(logits_processor, rows: list[Row], active: list[Row], tokens: t
             originals = [active[i].index for i in members]
             batch_scores = raw[members[0], m].expand(batch, -1).clone()
             batch_scores[originals] = raw[members, m]
-            scores[members, m] = logits_processor(ids, batch_scores)[originals]
-    return scores
+            for processor in processors:
+                batch_scores = processor(ids, batch_scores)
+            scores[members, m] = batch_scores[originals]
+    return warp(warpers, scores)
 
 
 def realign_rows(cache, model_kwargs, layout_ids, keep_rows, id_lengths):
