@@ -108,9 +108,10 @@ class ConfidentRounds:
         counts = self.calibration.reached[FIRST]  # (the pair's counts hold this call's too)
         own = self.call_calibration.reached[FIRST] if self.call_calibration is not None else [0.0] * len(counts)
         total = sum(counts)
-        per_count = SHARE_PRIOR / total if total > 0 else 0.0  # what one of the pair's counts weighs
-        weight = sum(own) + per_count * total
-        return [(o + per_count * c) / weight for o, c in zip(own, counts)] if weight > 0 else [0.0] * len(counts)
+        share = [c / total for c in counts] if total > 0 else [0.0] * len(counts)
+        prior = SHARE_PRIOR if total > 0 else 0.0  # the pair's share, worth SHARE_PRIOR samples (none: no share)
+        weight = sum(own) + prior
+        return [(o + prior * p) / weight for o, p in zip(own, share)] if weight > 0 else [0.0] * len(counts)
 
     def _round_acceptance(self, limit: int) -> torch.Tensor | None:
         """f(c) of the first `limit` tokens of every active row's speculation [rows, limit]; None when the policy does
