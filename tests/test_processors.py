@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import tiny_pair
 from transformers import LogitsProcessorList
-from transformers.generation.logits_process import UnbatchedClassifierFreeGuidanceLogitsProcessor
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
 from hf_ssd import SSDConfig
+from hf_ssd.generation.target_rows import process_rows
+from hf_ssd.generation.warpers import split_trailing_warpers
 
 
 @pytest.mark.parametrize(
@@ -49,19 +60,6 @@ def test_trailing_warpers_run_once_over_every_position():
     sampling warpers that end the list once over every row and position: the same scores, position by position, as
     transformers' `LogitsProcessorList` applied to each row's prefix (rows of unequal lengths, a batch of three of
     which two are active)."""
-    from types import SimpleNamespace
-
-    from transformers.generation.logits_process import (
-        MinPLogitsWarper,
-        RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    from hf_ssd.generation.target_rows import process_rows
-    from hf_ssd.generation.warpers import split_trailing_warpers
-
     penalty = RepetitionPenaltyLogitsProcessor(1.7)
     warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(9), TopPLogitsWarper(0.8), MinPLogitsWarper(0.05)]
     assert split_trailing_warpers([penalty, *warpers]) == ([penalty], warpers)

@@ -273,11 +273,9 @@ def process_rows(logits_processor, rows: list[Row], active: list[Row], tokens: t
     warpers that end the list (`warpers.split_trailing_warpers`) read scores alone: they run once over every row and
     position.
     """
-    if not logits_processor:
-        return raw  # neither is written to afterwards
     processors, warpers = split_trailing_warpers(logits_processor)
     if not processors:
-        return warp(warpers, raw)
+        return warp(warpers, raw)  # neither is written to afterwards (warpers return new tensors)
     scores = raw.clone()
     batch = len(rows)
     for m in range(raw.shape[1]):
