@@ -149,6 +149,7 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         self._timed_at: dict[tuple[bool, int], int] = {}  # (serial, K) -> the round its cost was last measured in
         self.probing = Probing()  # the pause/probe/trial state between plain steps (`probing.py`)
         self._exploring = False  # this round's K was chosen to time it
+        self._why = ""  # why this round's K was chosen (the trace's "why"; `depth` and `plain_stretch` read it)
         self._wanted = lookahead  # the best K over 0..K_max at the last decision
         self._mode = CONCURRENT  # how the next speculation is made (CONCURRENT, SERIAL or PLAIN), see `depth`
         self.serial = 0  # tokens the draft drafts just in time after this round's verification (SERIAL rounds)
@@ -218,13 +219,13 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
         if k == 0 and self._exploring and self._mode != SERIAL:
             depth = 0  # a plain step tried for its cost: timed with the draft paused
             self.probing.timed_plain_step()
-        elif self.trace and self.trace[-1]["why"] == "trial":
+        elif self._why == "trial":
             depth = self._drafted_after(self.k_max)  # probing's counters stay: a trial that fails goes back to them
         elif self._mode == SERIAL:  # the draft sits this verification out, then drafts the next speculation
             # (with its confidence known, as deep as it stays worth it: `stop_rule`; K_max at most while no
             # verification is timed, as past K_max only the prior shape would price it)
             depth, self.serial = 0, self.serial_depth if self.calibration is not None else self._wanted
-            if self.trace and self.trace[-1]["why"] == "prior shape":
+            if self._why == "prior shape":
                 self.serial = min(self.serial, self.k_max)
             self.probing.speculating()
         elif k > 0 or not self.adaptive or self._wanted > 0:
@@ -422,6 +423,7 @@ class LookaheadPolicy(RoundObservations, ConfidentRounds, PlainSteps, RoundCosts
                 and self.first_seconds >= PREFILL_ALONE_AFTER)
 
     def _record(self, k: int, speeds: dict | None, why: str, serial_speeds: dict | None = None) -> None:
+        self._why = why
         entry = {"k": k, "why": why, "wanted": self._wanted, "mode": self._mode, "rows": self._active_rows,
                  "acceptance": [round(a, 3) for a in self.acceptance.estimates()]}
         if speeds:

@@ -64,7 +64,7 @@ class PlainSteps:
         if not self.adaptive or not self.trace or self.serial or self._mode != PLAIN:
             return 0
         last = self.trace[-1]
-        if last["k"] != 0 or last.get("depth") != 0 or last["why"] != "best":
+        if last["k"] != 0 or last.get("depth") != 0 or self._why != "best":
             return 0
         return min(self.probing.quiet_rounds(self._plain_probe_cost), STRETCH_MAX)
 
@@ -72,6 +72,7 @@ class PlainSteps:
         """Start a round of a plain stretch: recorded as chosen, the probing state advanced as `depth` would (it
         keeps the draft paused: `plain_stretch` counted the rounds it does)."""
         self._round_start = time.perf_counter()
+        self._why = PLAIN_STRETCH
         self.probing.decide()
         self.probing.plain_depth(self.k_max, self._plain_probe_cost)
         self.trace.append({"k": 0, "why": PLAIN_STRETCH, "wanted": 0, "mode": PLAIN, "rows": self._active_rows,
