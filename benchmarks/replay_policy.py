@@ -98,6 +98,15 @@ PROFILES = {
                                        820, 660],
                            draft_token=38.0, draft_token_all=36.5, draft_fixed_all=40.0, contention=1.19,
                            overhead=5.0),
+    # the 2-core AMD EPYC (AVX2, the issue's machine type) of 2026-12-07, MKL fp32, from the twenty-ninth and thirtieth
+    # sessions' bench traces (medians over nine sets, 40-1,300 tokens of context): a plain step 643 ms, one more
+    # position twice that, 5-17 positions 3.3-4.2x (noisy: contexts differ); a concurrent verification measured at
+    # 1-4 tokens only; a serial speculation's fixed part and first token 106 ms, each further token 95 ms
+    "epyc-avx2": dict(verify=[760, 1310, 1600, 2080, 2100, 2200, 2300, 2400, 2500, 2600, 2700, 2750, 2800, 2850,
+                              2900, 2950, 3000],
+                      verify_all=[643, 1290, 1870, 2100, 2150, 2250, 2300, 2350, 2450, 2500, 2550, 2600, 2650, 2700,
+                                  2700, 2700, 2700],
+                      draft_token=100.0, draft_token_all=95.0, draft_fixed_all=106.0, contention=1.19, overhead=15.0),
     # flat-ish curve (AVX-512 Xeon: 1-3 positions cost one, 4-5 twice that)
     "xeon": dict(verify=[417, 430, 441, 441, 830, 860, 1100, 1170, 1200],
                  verify_all=[245, 260, 270, 270, 500, 520, 660, 700, 720],
