@@ -162,6 +162,7 @@ def demo(args) -> int:
     import torch
 
     from . import SSDConfig, enable_ssd
+    from .packing import packed_pad_rows
     from .precision import apply_precision, count_parameters, decide_precision, describe_decision
 
     target, draft, tokenizer = _load_pair(args)
@@ -233,7 +234,7 @@ def demo(args) -> int:
     rows_alike = sum(torch.equal(p, s) for p, s in zip(plain, ssd))
     assisted_alike = torch.equal(assisted[0], plain) if args.batch_size == 1 else None
     print(f"target: {type(target).__name__} {count_parameters(target) / 1e6:.1f}M params "
-          f"({describe_decision(args.target_precision, speedup)}); "
+          f"({describe_decision(args.target_precision, speedup, packed_pad_rows(target))}); "
           f"draft: {count_parameters(draft) / 1e6:.1f}M params ({args.draft_precision}); batch size {args.batch_size}")
     print(f"config: {config.to_json_string()}; SSD ran on executor {metrics.executor!r}"
           + (f" (its worker process started in {worker_s:.1f}s, once per interpreter)" if worker_s else ""))

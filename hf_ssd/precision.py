@@ -43,15 +43,16 @@ def decide_precision(model: torch.nn.Module, precision: str, rows: int) -> tuple
     return ("fp32-packed" if pack else "fp32"), ratios
 
 
-def describe_decision(precision: str, ratios: dict[int, float]) -> str:
+def describe_decision(precision: str, ratios: dict[int, float], pad_rows: int | None = None) -> str:
     """One line on what "auto" chose and on what, e.g. "fp32-packed, auto: the packed kernel 1.31x at 5 rows, 0.91x at
     1 row of MKL's speed; packs where faster at the verification's rows and >= 0.9x at one"; the precision alone
-    where it was named."""
+    where it was named; with "; fewer rows padded to 6" where the packed layers pad (`pad_rows`)."""
+    padded = f"; fewer rows padded to {pad_rows}" if pad_rows else ""
     if not ratios:
-        return precision
+        return f"{precision}{padded}"
     measured = ", ".join(f"{ratios[r]:.2f}x at {r} row{'s' if r > 1 else ''}" for r in sorted(ratios, reverse=True))
     return (f"{precision}, auto: the packed kernel {measured} of MKL's speed; packs where faster at the "
-            f"verification's rows and >= {PACK_AT_ONE_ROW}x at one")
+            f"verification's rows and >= {PACK_AT_ONE_ROW}x at one{padded}")
 
 
 def apply_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:

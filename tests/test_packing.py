@@ -7,7 +7,15 @@ import torch
 from conftest import tiny_model, tiny_pair
 
 from hf_ssd import SSDConfig
-from hf_ssd.packing import PackedLinear, pack_linear_layers, packing_available, packing_decision, packing_speedup
+from hf_ssd.packing import (
+    PackedLinear,
+    pack_linear_layers,
+    packed_pad_rows,
+    packing_available,
+    packing_decision,
+    packing_speedup,
+    padding_rows,
+)
 from hf_ssd.precision import apply_precision, count_parameters
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -26,6 +34,70 @@ def test_packed_linear_matches_linear(rows):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pad", [4, 6])
+def test_padded_rows_run_the_block_and_are_dropped(pad):
+    """Fewer rows than `pad_rows` are padded with zero rows and their outputs dropped: the same values as the linear
+    layer, the input's shape kept, and each row's output the one it has in a full block, whatever shares its forward
+    (one kernel for every count up to the block); counts of `pad_rows` and more are not padded."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(64, 96, bias=bias)
+        plain, padded = PackedLinear(linear), PackedLinear(linear, pad_rows=pad)
+        block = torch.randn(pad, 64)
+        with torch.no_grad():
+            full = plain(block)
+            for rows in range(1, pad + 1):
+                out = padded(block[:rows].reshape(1, rows, 64))
+                assert out.shape == (1, rows, 96)
+                assert torch.equal(out[0], full[:rows]), rows
+                torch.testing.assert_close(out[0], linear(block[:rows]), rtol=1e-5, atol=1e-5)
+            longer = torch.randn(pad + 3, 64)
+            assert torch.equal(padded(longer), plain(longer))
+            assert padded(torch.randn(0, 64)).shape == (0, 96)
+    assert f"pad_rows={pad}" in repr(padded) and "pad_rows" not in repr(plain)
+
+
+def test_padding_rows_picks_the_fastest_small_count(monkeypatch):
+    """`padding_rows` pads to the row count a pass takes least time at, where it beats one row by 5 %; else 0. Timed
+    passes are scripted here (per row count), so the rule is tested, not the machine."""
+    from hf_ssd import packing
+
+    layers = [PackedLinear(torch.nn.Linear(32, 32)) for _ in range(2)]
+    layers[0].pad_rows = 3
+    for seconds, expected in (
+        ({1: 10.0, 2: 12.0, 3: 11.0, 4: 9.9, 5: 9.0, 6: 8.0, 7: 11.0, 8: 12.0}, 6),  # a block of 6
+        ({1: 10.0, 2: 10.5, 3: 10.2, 4: 9.7, 5: 11.0, 6: 12.0, 7: 13.0, 8: 14.0}, 0),  # 3 % only: no padding
+        ({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0, 6: 15.0, 7: 16.0, 8: 17.0}, 0),  # rising: no padding
+        ({1: 10.0, 2: 9.0, 3: 9.0, 4: 9.0, 5: 12.0, 6: 12.0, 7: 12.0, 8: 12.0}, 2),  # ties: the fewest rows
+    ):
+        timed = []
+
+        def scripted(layers_, inputs, table=seconds, timed=timed):
+            assert all(layer.pad_rows == 0 for layer in layers_)  # timed unpadded
+            timed.append(inputs[0].shape[0])
+            return table[inputs[0].shape[0]]
+
+        monkeypatch.setattr(packing, "_pass_seconds", scripted)
+        assert padding_rows(layers) == expected
+        assert sorted(set(timed)) == list(range(1, packing.PAD_MAX_ROWS + 1))
+    assert [layer.pad_rows for layer in layers] == [3, 0]  # restored
+    assert padding_rows([]) == 0
+
+
+def test_pack_linear_layers_pads_as_measured_or_as_told(monkeypatch):
+    from hf_ssd import packing
+
+    monkeypatch.setattr(packing, "padding_rows", lambda layers: 5)
+    measured = pack_linear_layers(tiny_model("llama"))
+    assert {m.pad_rows for m in measured.modules() if isinstance(m, PackedLinear)} == {5}
+    assert packed_pad_rows(measured) == 5 and packed_pad_rows(tiny_model("llama")) is None
+    assert packed_pad_rows(pack_linear_layers(tiny_model("llama"), pad_rows=0)) == 0
+    assert packed_pad_rows(pack_linear_layers(tiny_model("llama"), pad_rows=7)) == 7
+    for bad in (-1, 2.5, "6"):
+        with pytest.raises(ValueError, match="pad_rows=.* is invalid"):
+            pack_linear_layers(tiny_model("llama"), pad_rows=bad)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_sliding", "qwen2_hybrid"])
 def test_packed_model_logits_and_greedy_output(arch):
     model = tiny_model(arch, layers=2, seed=3)
@@ -41,10 +113,10 @@ def test_packed_model_logits_and_greedy_output(arch):
     assert count_parameters(packed) == count_parameters(model)
 
 
-@pytest.mark.parametrize("executor", ["thread", "process", "sync"])
-def test_ssd_over_packed_target_is_exact(executor):
+@pytest.mark.parametrize("executor, pad", [("thread", 0), ("process", 0), ("sync", 0), ("thread", 6), ("sync", 4)])
+def test_ssd_over_packed_target_is_exact(executor, pad):
     target, draft = tiny_pair("qwen2", seed=5)
-    pack_linear_layers(target)
+    pack_linear_layers(target, pad_rows=pad)
     input_ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     expected = target.generate(input_ids, max_new_tokens=30, do_sample=False, pad_token_id=0)
     out = target.generate(input_ids, assistant_model=draft, max_new_tokens=30, do_sample=False, pad_token_id=0,
@@ -91,6 +163,8 @@ def test_the_auto_precision_says_what_it_was_decided_on(monkeypatch):
     line = describe_decision(precision, ratios)
     assert line.startswith("fp32, auto:") and "1.30x at 5 rows" in line and "0.89x at 1 row" in line, line
     assert decide_precision(model, "fp32", 5) == ("fp32", {}) and describe_decision("fp32", {}) == "fp32"
+    assert describe_decision("fp32-packed", {}, 6) == "fp32-packed; fewer rows padded to 6"
+    assert describe_decision(precision, ratios, 0) == line and line.endswith(">= 0.9x at one")
     assert decide_precision(model.to(torch.bfloat16), "auto", 5) == ("fp32", {})  # not packable: nothing measured
     with pytest.raises(ValueError, match="precision='fp16' is invalid"):
         decide_precision(model, "fp16", 5)

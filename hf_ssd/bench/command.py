@@ -110,13 +110,12 @@ def load_models(target_name: str, draft_name: str, target_precision: str, draft_
 
     from ..generation import enable_ssd
     from ..models import resolve_model
+    from ..packing import packed_pad_rows
     from ..precision import apply_precision, decide_precision, describe_decision
 
     target_path = resolve_model(target_name)
     target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     target_precision, speedup = decide_precision(target, target_precision, rows)
-    if speedup:  # "auto" decided here: say on what, since a machine near the bound decides differently per run
-        print(f"target precision: {describe_decision(target_precision, speedup)}", file=sys.stderr, flush=True)
     if draft_name == "random":
         draft_path, draft = "random", random_draft_like(target)
     else:
@@ -128,6 +127,10 @@ def load_models(target_name: str, draft_name: str, target_precision: str, draft_
     t_params = sum(p.numel() for p in target.parameters())
     d_params = sum(p.numel() for p in draft.parameters())
     quantized_target = apply_precision(target, target_precision)
+    pad_rows = packed_pad_rows(quantized_target)
+    if speedup or pad_rows:  # "auto" decided here: say on what, since a machine near the bound decides differently
+        print(f"target precision: {describe_decision(target_precision, speedup, pad_rows)}", file=sys.stderr,
+              flush=True)
     draft = quantized_target if draft is target else apply_precision(draft, draft_precision)
     target = enable_ssd(quantized_target)
     tokenizer = AutoTokenizer.from_pretrained(target_path)

@@ -243,12 +243,10 @@ def render_markdown(results: Mapping[str, Any]) -> str:
 def _model_text(info: Mapping[str, Any] | None) -> str:
     if not info:
         return "?"
-    precision = info.get("precision")
-    speedup = info.get("packing_speedup")
-    if speedup:  # "auto" decided it: on what
-        from ..precision import describe_decision
+    from ..precision import describe_decision
 
-        precision = describe_decision(precision, {int(r): v for r, v in speedup.items()})
+    speedup = info.get("packing_speedup") or {}  # where "auto" decided it: on what
+    precision = describe_decision(info.get("precision"), {int(r): v for r, v in speedup.items()}, info.get("pad_rows"))
     return f"{info.get('name')} ({info.get('params', 0) / 1e6:.0f}M params, {precision})"
 
 

@@ -66,10 +66,13 @@ def model_info(model, name: str | None, precision: str, params: int | None = Non
 
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
     quantized = any("quantized" in type(m).__module__ for m in model.modules())
+    from ..packing import packed_pad_rows
     from ..precision import count_parameters
 
     counted = params if params is not None else count_parameters(model)
+    pad_rows = packed_pad_rows(model)
     return {"name": name, "class": type(model).__name__, "params": counted, "precision": precision,
+            **({"pad_rows": pad_rows} if pad_rows is not None else {}),
             "parameter_dtypes": dtypes, "int8_dynamic_linear": quantized, "torch_default_dtype":
             str(torch.get_default_dtype()).replace("torch.", ""), "vocab_size": model.config.vocab_size}
 
