@@ -106,7 +106,8 @@ def pack_linear_layers(model: nn.Module, pad_rows: int | None = None) -> nn.Modu
         `model` itself, in eval mode.
 
     Raises:
-        ValueError: if this torch build lacks oneDNN, the model is not fp32 on the CPU, or `pad_rows` is negative.
+        ValueError: if this torch build lacks oneDNN, the model is not fp32 on the CPU, or `pad_rows` is not None or
+            an int >= 0.
 
     Example:
         ```python
@@ -193,7 +194,9 @@ def padding_rows(layers: list[PackedLinear], max_rows: int = PAD_MAX_ROWS, repea
     for layer in layers:
         layer.pad_rows = 0
     try:
-        inputs = {m: [torch.randn(m, layer.in_features) for layer in layers] for m in range(1, max_rows + 1)}
+        noise = torch.Generator().manual_seed(0)  # the caller's global RNG stays where it was
+        inputs = {m: [torch.randn(m, layer.in_features, generator=noise) for layer in layers]
+                  for m in range(1, max_rows + 1)}
         for m in inputs:  # warm-up: first calls pick kernels
             _pass_seconds(layers, inputs[m])
         passes: dict[int, list[float]] = {m: [] for m in inputs}
@@ -218,13 +221,13 @@ def packing_speedup(model: nn.Module, rows: int, repeats: int = 9) -> dict[int, 
     if not layers:
         return {}
     packed = [PackedLinear(layer) for layer in layers]
-    ratios = {}
+    ratios, noise = {}, torch.Generator().manual_seed(0)  # the caller's global RNG stays where it was
     with torch.no_grad():
         pad = padding_rows(packed)
         for layer in packed:
             layer.pad_rows = pad
         for m in sorted({1, rows}):
-            inputs = [torch.randn(m, layer.in_features) for layer in layers]
+            inputs = [torch.randn(m, layer.in_features, generator=noise) for layer in layers]
             _pass_seconds(layers, inputs), _pass_seconds(packed, inputs)  # warm-up: first calls pick kernels
             passes = [_pass_seconds(layers, inputs) / _pass_seconds(packed, inputs) for _ in range(repeats)]
             ratios[m] = sorted(passes)[len(passes) // 2]

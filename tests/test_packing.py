@@ -93,6 +93,14 @@ def test_pack_linear_layers_pads_as_measured_or_as_told(monkeypatch):
     assert packed_pad_rows(measured) == 5 and packed_pad_rows(tiny_model("llama")) is None
     assert packed_pad_rows(pack_linear_layers(tiny_model("llama"), pad_rows=0)) == 0
     assert packed_pad_rows(pack_linear_layers(tiny_model("llama"), pad_rows=7)) == 7
+    monkeypatch.undo()  # the real probes: packing and its measurements leave the caller's global RNG as it was
+    probed, packed = tiny_model("llama"), tiny_model("llama")  # (tiny_model seeds the global RNG itself)
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    packing_speedup(probed, rows=5, repeats=1)
+    pack_linear_layers(packed)
+    assert torch.equal(torch.rand(3), expected)
     for bad in (-1, 2.5, "6"):
         with pytest.raises(ValueError, match="pad_rows=.* is invalid"):
             pack_linear_layers(tiny_model("llama"), pad_rows=bad)

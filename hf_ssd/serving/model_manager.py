@@ -16,7 +16,7 @@ from transformers.cli.serving.utils import split_model_id
 from ..generation import enable_ssd
 from ..generation.checks import check_vocabulary, model_vocab_size
 from ..models import resolve_model
-from ..packing import PackedLinear, pack_linear_layers
+from ..packing import PackedLinear, pack_linear_layers, packed_pad_rows
 from ..precision import apply_precision, decide_precision, describe_decision
 
 logger = logging.getLogger(__name__)
@@ -75,10 +75,10 @@ class SSDModelManager(ModelManager):
         if self.target_precision != "fp32" and not any(isinstance(m, PackedLinear) for m in model.modules()):
             lookahead = 4  # verifications of K + 1 = 5 positions: SSDConfig's K at most
             precision, speedup = decide_precision(model, self.target_precision, lookahead + 1)
-            if speedup:  # "auto" decided here: say on what, as the demo and the bench do
-                logger.info("target precision: %s", describe_decision(precision, speedup))
             if precision == "fp32-packed":
                 pack_linear_layers(model)  # in place: the cached model is the packed one
+            if speedup:  # "auto" decided here: say on what, as the demo and the bench do
+                logger.info("target precision: %s", describe_decision(precision, speedup, packed_pad_rows(model)))
         if self.draft_name is not None:
             enable_ssd(model)  # idempotent; again after a `/reset` reloaded the target
             self._ensure_draft(model, processor)
