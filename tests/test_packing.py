@@ -165,7 +165,7 @@ def test_the_auto_precision_says_what_it_was_decided_on(monkeypatch):
 
     model = tiny_model("llama")
     for one_row, expected in ((0.91, "fp32-packed"), (0.89, "fp32")):
-        monkeypatch.setattr(packing, "packing_speedup", lambda m, rows, r=one_row: {1: r, rows: 1.3})
+        monkeypatch.setattr(packing, "packing_speedup", lambda m, rows, r=one_row, bar=None: {1: r, rows: 1.3})
         precision, ratios = decide_precision(model, "auto", 5)
         assert precision == expected and ratios == {1: one_row, 5: 1.3}
     line = describe_decision(precision, ratios)
@@ -176,6 +176,39 @@ def test_the_auto_precision_says_what_it_was_decided_on(monkeypatch):
     assert decide_precision(model.to(torch.bfloat16), "auto", 5) == ("fp32", {})  # not packable: nothing measured
     with pytest.raises(ValueError, match="precision='fp16' is invalid"):
         decide_precision(model, "fp16", 5)
+
+
+def test_a_one_row_ratio_near_the_bar_is_timed_longer(monkeypatch):
+    """Where the one-row ratio's first passes land within `NEAR_BAR` of the bar, `SETTLE_REPEATS` more passes are
+    timed and the median of all decides; far from the bar, or without one, the first passes decide. Passes are
+    scripted here, so the rule is tested, not the machine."""
+    from hf_ssd import packing
+
+    monkeypatch.setattr(packing, "padding_rows", lambda layers: 0)
+    for first, later, bar, expected in (
+        ([0.8, 0.85, 0.88], [1.05] * 6, 0.9, 1.05),  # a noisy start near the bar: the longer run decides
+        ([0.8, 0.85, 0.88], [1.05] * 6, None, 0.85),  # no bar: the first passes
+        ([0.5, 0.55, 0.6], [1.05] * 6, 0.9, 0.55),  # far below the bar: not timed longer
+        ([1.2, 1.25, 1.3], [0.5] * 6, 0.9, 1.25),  # far above it: not timed longer
+    ):
+        asked = []
+
+        def scripted(layers, packed, rows, repeats, noise, first=first, later=later, asked=asked):
+            asked.append((rows, repeats))
+            if rows > 1:
+                return [2.0] * repeats
+            return first if len(asked) == 1 else later
+
+        monkeypatch.setattr(packing, "_pass_ratios", scripted)
+        monkeypatch.setattr(packing, "SETTLE_REPEATS", 6)
+        ratios = packing_speedup(tiny_model("llama"), rows=5, repeats=3, bar=bar)
+        assert ratios == {1: expected, 5: 2.0}, (first, bar, ratios)
+        longer = bar is not None and abs(first[1] - bar) < packing.NEAR_BAR
+        assert asked == [(1, 3)] + ([(1, 6)] if longer else []) + [(5, 3)], asked
+    monkeypatch.setattr(packing, "SETTLE_REPEATS", 27)
+    monkeypatch.setattr(packing, "_pass_ratios", lambda layers, packed, rows, repeats, noise:
+                        [0.86] * repeats if rows == 1 and repeats == 9 else [1.0] * repeats if rows == 1 else [2.0])
+    assert packing_decision(tiny_model("llama"), rows=5) == (True, {1: 1.0, 5: 2.0})  # packing_decision passes the bar
 
 
 def test_the_probe_reads_the_largest_layers_up_to_its_byte_bound(monkeypatch):
