@@ -226,7 +226,7 @@ def _median(values: list[float]) -> float:
 
 # Where the one-row ratio lands this close to the bar it is decided against, `SETTLE_REPEATS` more passes decide it.
 # On a 2-core AVX2 EPYC (whole plain steps of the 1.5B target: MKL 694 ms, packed 704) the median of 9 passes read
-# 0.76-1.14 in 15 probes of one model, 2 below the 0.9 bar, so one run in several packed nothing and decoded on
+# 0.81-1.12 as the first probe of five processes, 2 below the 0.9 bar, so such runs packed nothing and decoded on
 # MKL's curve (verifications 2-3x dearer); the median of 60 passes read 1.05 in both of two processes.
 NEAR_BAR = 0.2
 SETTLE_REPEATS = 27
