@@ -31,6 +31,7 @@ tied to the input embeddings keeps the embeddings and adds its packed copy).
 from __future__ import annotations
 
 import time
+from statistics import median_high
 
 import torch
 from torch import nn
@@ -206,7 +207,7 @@ def padding_rows(layers: list[PackedLinear], max_rows: int = PAD_MAX_ROWS, repea
     finally:
         for layer, pad in zip(layers, saved):
             layer.pad_rows = pad
-    median = {m: sorted(times)[len(times) // 2] for m, times in passes.items()}
+    median = {m: median_high(times) for m, times in passes.items()}
     best = min(median, key=lambda m: (median[m], m))
     return best if best > 1 and median[best] <= PAD_GAIN * median[1] else 0
 
@@ -218,10 +219,6 @@ def _pass_ratios(layers: list[nn.Module], packed: list[PackedLinear], rows: int,
     inputs = [torch.randn(rows, layer.in_features, generator=noise) for layer in layers]
     _pass_seconds(layers, inputs), _pass_seconds(packed, inputs)  # warm-up: first calls pick kernels
     return [_pass_seconds(layers, inputs) / _pass_seconds(packed, inputs) for _ in range(repeats)]
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 # Where the one-row ratio lands this close to the bar it is decided against, `SETTLE_REPEATS` more passes decide it.
@@ -251,9 +248,9 @@ def packing_speedup(model: nn.Module, rows: int, repeats: int = 9, bar: float | 
             layer.pad_rows = pad
         for m in sorted({1, rows}):
             passes = _pass_ratios(layers, packed, m, repeats, noise)
-            if m == 1 and bar is not None and abs(_median(passes) - bar) < NEAR_BAR:
+            if m == 1 and bar is not None and abs(median_high(passes) - bar) < NEAR_BAR:
                 passes += _pass_ratios(layers, packed, m, SETTLE_REPEATS, noise)
-            ratios[m] = _median(passes)
+            ratios[m] = median_high(passes)
     return ratios
 
 
